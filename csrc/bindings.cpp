@@ -1,0 +1,182 @@
+// Python bindings of ckpt_offload._C: argument checks here, work in host_pool.cpp and copy_engine.cpp.
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "copy_engine.h"
+#include "host_pool.h"
+
+#ifndef CKPT_OFFLOAD_TORCH_VERSION
+#define CKPT_OFFLOAD_TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+using namespace ckpt_offload;
+
+namespace {
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+py::dict pool_stats_dict(const PoolStats& s) {
+  py::dict d;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["in_use_bytes"] = s.in_use_bytes;
+  d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+  d["blocks_reserved"] = s.blocks_reserved;
+  d["blocks_in_use"] = s.blocks_in_use;
+  d["alloc_calls"] = s.alloc_calls;
+  d["allocated_bytes"] = s.allocated_bytes;
+  d["free_calls"] = s.free_calls;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["cap_refusals"] = s.cap_refusals;
+  d["alloc_failures"] = s.alloc_failures;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["pinned"] = s.pinned;
+  return d;
+}
+
+py::dict engine_stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["tensors_offloaded"] = s.tensors_offloaded;
+  d["bytes_offloaded"] = s.bytes_offloaded;
+  d["tensors_prefetched"] = s.tensors_prefetched;
+  d["bytes_prefetched"] = s.bytes_prefetched;
+  d["tensors_fetched"] = s.tensors_fetched;
+  d["tensors_released"] = s.tensors_released;
+  d["offloads_refused"] = s.offloads_refused;
+  d["compacted"] = s.compacted;
+  d["pending_sources"] = s.pending_sources;
+  d["reload_wait_ms"] = s.reload_wait_ms;
+  d["reload_waits_measured"] = s.reload_waits_measured;
+  return d;
+}
+
+size_t checked_size(int64_t n, const char* what) {
+  TORCH_CHECK_VALUE(n >= 0, what, " must be a non-negative number of bytes, got ", n);
+  return static_cast<size_t>(n);
+}
+
+std::shared_ptr<HostPool> make_pool(std::optional<bool> pinned) {
+  return HostPool::create(pinned.value_or(cuda_runtime_usable()));
+}
+
+// A uint8 CPU tensor over the block's memory. The tensor owns a reference to the block, so the
+// memory cannot go back to the pool while the tensor lives.
+at::Tensor block_tensor(const std::shared_ptr<HostBlock>& block) {
+  auto keep = block;
+  return at::from_blob(
+      block->data(), {static_cast<int64_t>(block->size())}, [keep](void*) {},
+      at::TensorOptions().dtype(at::kByte));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ckpt_offload C++/CUDA core: pinned host pool and asynchronous copy engine";
+
+  m.def("build_info", [] {
+    py::dict d;
+    d["torch_version"] = CKPT_OFFLOAD_TORCH_VERSION;
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    d["with_cuda"] = true;
+    d["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string((CUDART_VERSION % 1000) / 10);
+#else
+    d["with_cuda"] = false;
+    d["cuda_version"] = py::none();
+#endif
+    return d;
+  });
+  m.def("cuda_usable", &cuda_runtime_usable,
+        "True when the extension has CUDA and a driver with at least one device is present");
+  m.def("set_profiling", &CopyEngine::set_profiling, py::arg("on"));
+  m.def("profiling", &CopyEngine::profiling);
+
+  py::class_<HostBlock, std::shared_ptr<HostBlock>>(m, "HostBlock",
+                                                    "A pool block; its memory returns to the pool when the last "
+                                                    "reference (this object or a tensor from tensor()) dies.")
+      .def_property_readonly("size", &HostBlock::size)
+      .def_property_readonly("capacity", &HostBlock::capacity)
+      .def_property_readonly("ptr", [](const HostBlock& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def("tensor", &block_tensor);
+
+  py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
+      .def(py::init(&make_pool), py::arg("pinned") = py::none(),
+           "pinned=None pins when CUDA is usable; pinned=True raises when it is not")
+      .def(
+          "acquire",
+          [](HostPool& p, int64_t nbytes, bool wait) {
+            return p.acquire(checked_size(nbytes, "acquire: nbytes"), wait);
+          },
+          py::arg("nbytes"), py::arg("wait") = true, release_gil(),
+          "A block of at least nbytes, or None when the capacity cap or the system refuses")
+      .def(
+          "reserve",
+          [](HostPool& p, int64_t nbytes, int64_t count) {
+            TORCH_CHECK_VALUE(count >= 0, "reserve: count must be >= 0, got ", count);
+            p.reserve(checked_size(nbytes, "reserve: nbytes"), static_cast<size_t>(count));
+          },
+          py::arg("nbytes"), py::arg("count") = 1, release_gil())
+      .def("empty_cache", &HostPool::empty_cache, release_gil())
+      .def(
+          "set_capacity",
+          [](HostPool& p, int64_t nbytes) { p.set_capacity(checked_size(nbytes, "set_capacity: nbytes")); },
+          py::arg("nbytes"), release_gil(), "0 removes the cap")
+      .def("stats", [](HostPool& p) { return pool_stats_dict(p.stats()); })
+      .def("reset_stats", &HostPool::reset_stats)
+      .def_property_readonly("pinned", &HostPool::pinned)
+      .def(
+          "inject_alloc_failures",
+          [](HostPool& p, int64_t n) {
+            TORCH_CHECK_VALUE(n >= 0, "inject_alloc_failures: n must be >= 0, got ", n);
+            p.inject_alloc_failures(static_cast<uint64_t>(n));
+          },
+          py::arg("n"), "Testing aid: the next n host allocations fail as if pinned memory ran out")
+      .def_static(
+          "round_size", [](int64_t n) { return HostPool::round_size(checked_size(n, "round_size: nbytes")); },
+          py::arg("nbytes"));
+
+  py::class_<OffloadHandle, std::shared_ptr<OffloadHandle>>(m, "OffloadHandle")
+      .def_property_readonly("state", [](OffloadHandle& h) { return std::string(state_name(h.state())); })
+      .def_property_readonly("nbytes", &OffloadHandle::nbytes)
+      .def_property_readonly("shape", [](const OffloadHandle& h) { return h.sizes(); })
+      .def_property_readonly("stride", [](const OffloadHandle& h) { return h.strides(); })
+      .def_property_readonly("dtype", [](const OffloadHandle& h) { return h.dtype(); })
+      .def_property_readonly("device", [](const OffloadHandle& h) { return h.device(); })
+      .def_property_readonly("compacted", &OffloadHandle::compacted)
+      .def("host_bytes", [](OffloadHandle& h) -> py::object {
+        at::Tensor t = h.host_bytes();
+        if (!t.defined()) return py::none();
+        return py::cast(t);
+      });
+
+  py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
+      .def(py::init([](const c10::Device& device, std::shared_ptr<HostPool> pool) {
+             return CopyEngine::create(device, pool ? pool : CopyEngine::global_pool());
+           }),
+           py::arg("device"), py::arg("pool") = nullptr)
+      .def(py::init([](const std::string& device, std::shared_ptr<HostPool> pool) {
+             return CopyEngine::create(c10::Device(device), pool ? pool : CopyEngine::global_pool());
+           }),
+           py::arg("device"), py::arg("pool") = nullptr)
+      .def("offload", &CopyEngine::offload, py::arg("tensor"), release_gil(),
+           "Starts the copy to host; returns a handle, or None when the pool refused a block")
+      .def("prefetch", &CopyEngine::prefetch, py::arg("handle"), release_gil())
+      .def("fetch", &CopyEngine::fetch, py::arg("handle"), release_gil())
+      .def("release", &CopyEngine::release, py::arg("handle"), release_gil())
+      .def("poll", &CopyEngine::poll, release_gil())
+      .def("synchronize", &CopyEngine::synchronize, release_gil())
+      .def("stats", [](CopyEngine& e) { return engine_stats_dict(e.stats()); })
+      .def("reset_stats", &CopyEngine::reset_stats)
+      .def_property_readonly("device", &CopyEngine::device)
+      .def_property_readonly("pool", &CopyEngine::pool)
+      .def_property_readonly("uses_cuda", &CopyEngine::uses_cuda);
+
+  m.def("engine_for", &CopyEngine::for_device, py::arg("device"),
+        "The process-wide engine of a device (created on first use), sharing the global pool");
+  m.def(
+      "engine_for", [](const std::string& device) { return CopyEngine::for_device(c10::Device(device)); },
+      py::arg("device"));
+  m.def("all_engines", &CopyEngine::all_engines);
+  m.def("global_pool", &CopyEngine::global_pool);
+}

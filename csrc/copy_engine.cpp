@@ -1,0 +1,431 @@
+// Copy engine: offload / prefetch / fetch / release of one tensor through a pool block.
+// CUDA tensors use the engine's own streams and events; everything else copies synchronously.
+#include "copy_engine.h"
+
+#include <map>
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace ckpt_offload {
+
+namespace {
+
+std::atomic<bool> g_profiling{false};
+
+std::mutex& registry_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// Leaked on purpose: engines own CUDA streams, and destroying them after the CUDA runtime has
+// shut down at process exit only produces errors.
+std::map<std::string, std::shared_ptr<CopyEngine>>& registry() {
+  static auto* engines = new std::map<std::string, std::shared_ptr<CopyEngine>>();
+  return *engines;
+}
+
+// Element range [storage_offset, storage_offset + span) covered by a strided tensor. Strides are
+// never negative in torch, so the first element sits at the storage offset.
+int64_t span_elems(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return last + 1;
+}
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+cudaStream_t as_cuda(void* s) { return static_cast<cudaStream_t>(s); }
+#endif
+
+void check_offloadable(const at::Tensor& t, const c10::Device& engine_device) {
+  TORCH_CHECK_VALUE(t.defined(), "offload: tensor is undefined");
+  TORCH_CHECK_VALUE(!t.is_nested(), "offload: nested tensors are not supported");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "offload: only strided tensors can be offloaded, got layout ",
+                    t.layout());
+  TORCH_CHECK_VALUE(!t.is_meta(), "offload: meta tensors have no data to offload");
+  TORCH_CHECK_VALUE(!t.is_quantized(), "offload: quantized tensors are not supported");
+  TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "offload: tensor must be on a CUDA device or the CPU, got ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.device().type() == engine_device.type() &&
+                        (!t.is_cuda() || t.device().index() == engine_device.index()),
+                    "offload: tensor on ", t.device(), " given to the engine of ", engine_device);
+  TORCH_CHECK_VALUE(t.numel() == 0 || t.has_storage(), "offload: tensor has no storage (a tensor subclass?)");
+}
+
+}  // namespace
+
+const char* state_name(HandleState s) {
+  switch (s) {
+    case HandleState::kOffloading:
+      return "offloading";
+    case HandleState::kOnHost:
+      return "on_host";
+    case HandleState::kPrefetching:
+      return "prefetching";
+    case HandleState::kFetched:
+      return "fetched";
+    case HandleState::kReleased:
+      return "released";
+  }
+  return "unknown";
+}
+
+// ---------------------------------------------------------------------------------------------
+// OffloadHandle
+
+OffloadHandle::~OffloadHandle() {
+  std::vector<at::Tensor> garbage;
+  {
+    std::lock_guard<std::mutex> lock(engine_->mu_);
+    engine_->release_locked(*this, garbage);
+  }
+}
+
+HandleState OffloadHandle::state() {
+  std::lock_guard<std::mutex> lock(engine_->mu_);
+  engine_->refresh_state_locked(*this);
+  return state_;
+}
+
+at::Tensor OffloadHandle::host_bytes() {
+  std::lock_guard<std::mutex> lock(engine_->mu_);
+  if (!block_) return at::Tensor();
+  auto block = block_;
+  return at::from_blob(
+      block->data(), {static_cast<int64_t>(nbytes_)}, [block](void*) {}, at::TensorOptions().dtype(at::kByte));
+}
+
+// ---------------------------------------------------------------------------------------------
+// CopyEngine: construction and registry
+
+CopyEngine::CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool)
+    : device_(device), pool_(std::move(pool)),
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+      cuda_(device.is_cuda() && cuda_runtime_usable())
+#else
+      cuda_(false)
+#endif
+{
+  TORCH_CHECK_VALUE(pool_ != nullptr, "CopyEngine: pool must not be None");
+  TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "CopyEngine: device must be cpu or cuda, got ", device_);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    TORCH_CHECK_VALUE(device_.has_index(), "CopyEngine: a CUDA device needs an index, got ", device_);
+    c10::cuda::CUDAGuard guard(device_.index());  // streams belong to this engine's device
+    cudaStream_t d2h = nullptr, h2d = nullptr;
+    CKPT_CUDA_CHECK(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking));
+    CKPT_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking));
+    d2h_stream_ = d2h;
+    h2d_stream_ = h2d;
+  }
+#endif
+}
+
+CopyEngine::~CopyEngine() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());
+    CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(d2h_stream_)));
+    CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(h2d_stream_)));
+    CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(d2h_stream_)));
+    CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(h2d_stream_)));
+  }
+#endif
+}
+
+std::shared_ptr<CopyEngine> CopyEngine::create(c10::Device device, std::shared_ptr<HostPool> pool) {
+  return std::shared_ptr<CopyEngine>(new CopyEngine(device, std::move(pool)));
+}
+
+std::shared_ptr<HostPool> CopyEngine::global_pool() {
+  static auto* pool = new std::shared_ptr<HostPool>(HostPool::create(cuda_runtime_usable()));
+  return *pool;
+}
+
+std::shared_ptr<CopyEngine> CopyEngine::for_device(c10::Device device) {
+  if (device.is_cuda() && !device.has_index()) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    int current = 0;
+    if (cuda_runtime_usable()) CKPT_CUDA_CHECK(cudaGetDevice(&current));
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(current));
+#else
+    device = c10::Device(c10::kCUDA, 0);
+#endif
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& slot = registry()[device.str()];
+  if (!slot) slot = create(device, global_pool());
+  return slot;
+}
+
+std::vector<std::shared_ptr<CopyEngine>> CopyEngine::all_engines() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::shared_ptr<CopyEngine>> out;
+  for (auto& kv : registry()) out.push_back(kv.second);
+  return out;
+}
+
+void CopyEngine::set_profiling(bool on) { g_profiling.store(on); }
+bool CopyEngine::profiling() { return g_profiling.load(); }
+
+// ---------------------------------------------------------------------------------------------
+// offload
+
+HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
+  check_offloadable(tensor, device_);
+  std::vector<at::Tensor> garbage;
+  std::unique_lock<std::mutex> lock(mu_);
+  poll_locked(garbage);
+
+  HandlePtr h(new OffloadHandle(shared_from_this()));
+  h->dtype_ = tensor.scalar_type();
+  h->device_ = tensor.device();
+  h->sizes_ = tensor.sizes().vec();
+  h->strides_ = tensor.strides().vec();
+
+  at::Tensor src = tensor;
+  int64_t span = span_elems(tensor);
+  if (span > tensor.numel()) {
+    // Gaps between elements (a strided slice): copying the span would move bytes nobody needs,
+    // so copy densely. Overlapping views (expand, stride 0) keep their smaller span instead.
+    src = tensor.contiguous();
+    h->strides_ = src.strides().vec();
+    h->compacted_ = true;
+    span = src.numel();
+    st_.compacted += 1;
+  }
+  h->span_elems_ = span;
+  h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
+  if (h->nbytes_ == 0) {
+    h->state_ = HandleState::kOnHost;
+    st_.tensors_offloaded += 1;
+    return h;
+  }
+
+  auto block = pool_->acquire(h->nbytes_, /*wait_host=*/!cuda_);
+  if (!block) {
+    st_.offloads_refused += 1;
+    return nullptr;
+  }
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());  // events and copies on the tensor's own device
+    // The current stream, looked up now: it is the one that produced the tensor for this call.
+    cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    cudaStream_t d2h = as_cuda(d2h_stream_);
+    auto ready = std::make_shared<CudaEvent>();
+    ready->record(compute);
+    ready->block(d2h);
+    if (block->pending()) block->pending()->block(d2h);  // a reload may still read this block
+    CKPT_CUDA_CHECK(cudaMemcpyAsync(block->data(), src.data_ptr(), h->nbytes_, cudaMemcpyDeviceToHost, d2h));
+    auto done = std::make_shared<CudaEvent>();
+    done->record(d2h);
+    h->d2h_done_ = done;
+    block->set_last_use(done);
+    // The source must outlive its copy: keep it until `done` completes, then drop it (poll).
+    pending_.push_back({done, src});
+    h->state_ = HandleState::kOffloading;
+  } else
+#endif
+  {
+    auto host = at::from_blob(block->data(), {span}, at::TensorOptions().dtype(src.scalar_type()));
+    host.copy_(src.as_strided({span}, {1}, src.storage_offset()));
+    h->state_ = HandleState::kOnHost;
+  }
+  h->block_ = std::move(block);
+  st_.tensors_offloaded += 1;
+  st_.bytes_offloaded += h->nbytes_;
+  lock.unlock();
+  return h;
+}
+
+// ---------------------------------------------------------------------------------------------
+// prefetch / fetch / release
+
+void CopyEngine::refresh_state_locked(OffloadHandle& h) {
+  if (h.state_ == HandleState::kOffloading && event_done(h.d2h_done_)) h.state_ = HandleState::kOnHost;
+}
+
+void CopyEngine::prefetch_locked(OffloadHandle& h) {
+  switch (h.state_) {
+    case HandleState::kPrefetching:
+    case HandleState::kFetched:
+      return;  // idempotent
+    case HandleState::kReleased:
+      TORCH_CHECK(false, "prefetch: the handle was released; expected state offloading or on_host");
+    default:
+      break;
+  }
+  const at::TensorOptions opts = at::TensorOptions().dtype(h.dtype_).device(h.device_);
+  if (h.nbytes_ == 0) {
+    h.dest_ = at::empty({h.span_elems_}, opts);
+    h.state_ = HandleState::kPrefetching;
+    return;
+  }
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());
+    auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
+    // Allocated on the compute stream, so the memory belongs to the stream that will use it.
+    h.dest_ = at::empty({h.span_elems_}, opts);
+    h.dest_stream_ = compute.unwrap();
+    cudaStream_t h2d = as_cuda(h2d_stream_);
+    // The copy waits for the allocation point (earlier users of that memory on the compute
+    // stream) and for this tensor's own offload, which may still be running.
+    auto allocated = std::make_shared<CudaEvent>();
+    allocated->record(compute.stream());
+    allocated->block(h2d);
+    if (h.d2h_done_) h.d2h_done_->block(h2d);
+    CKPT_CUDA_CHECK(cudaMemcpyAsync(h.dest_.data_ptr(), h.block_->data(), h.nbytes_, cudaMemcpyHostToDevice, h2d));
+    auto done = std::make_shared<CudaEvent>();
+    done->record(h2d);
+    h.h2d_done_ = done;
+    h.block_->set_last_use(done);
+  } else
+#endif
+  {
+    h.dest_ = at::empty({h.span_elems_}, opts);
+    h.dest_.copy_(at::from_blob(h.block_->data(), {h.span_elems_}, at::TensorOptions().dtype(h.dtype_)));
+  }
+  h.state_ = HandleState::kPrefetching;
+  st_.tensors_prefetched += 1;
+  st_.bytes_prefetched += h.nbytes_;
+}
+
+void CopyEngine::prefetch(const HandlePtr& h) {
+  TORCH_CHECK_VALUE(h != nullptr, "prefetch: handle is None");
+  TORCH_CHECK_VALUE(h->engine_.get() == this, "prefetch: the handle belongs to another engine");
+  std::lock_guard<std::mutex> lock(mu_);
+  prefetch_locked(*h);
+}
+
+at::Tensor CopyEngine::fetch(const HandlePtr& h) {
+  TORCH_CHECK_VALUE(h != nullptr, "fetch: handle is None");
+  TORCH_CHECK_VALUE(h->engine_.get() == this, "fetch: the handle belongs to another engine");
+  std::vector<at::Tensor> garbage;
+  std::shared_ptr<HostBlock> block;
+  at::Tensor out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(h->state_ != HandleState::kFetched,
+                "fetch: the handle was already fetched; expected state offloading, on_host or prefetching");
+    TORCH_CHECK(h->state_ != HandleState::kReleased,
+                "fetch: the handle was released; expected state offloading, on_host or prefetching");
+    prefetch_locked(*h);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (cuda_ && h->h2d_done_) {
+      c10::cuda::CUDAGuard guard(device_.index());
+      auto current = c10::cuda::getCurrentCUDAStream(device_.index());
+      const bool profile = g_profiling.load();
+      EventPtr start, end;
+      if (profile) {
+        start = std::make_shared<CudaEvent>(/*timing=*/true);
+        start->record(current.stream());
+      }
+      h->h2d_done_->block(current.stream());
+      if (profile) {
+        end = std::make_shared<CudaEvent>(/*timing=*/true);
+        end->record(current.stream());
+        wait_samples_.push_back({start, end});
+      }
+      // Fetched on another stream than the one that allocated it: tell the allocator, or the
+      // memory could be reused while this stream still reads it.
+      if (current.unwrap() != h->dest_stream_) h->dest_.record_stream(current.unwrap());
+    }
+#endif
+    out = h->dest_.as_strided(h->sizes_, h->strides_, h->dest_.storage_offset());
+    garbage.push_back(std::move(h->dest_));
+    h->dest_ = at::Tensor();
+    block = std::move(h->block_);  // back to the pool, tagged with the reload's event
+    h->state_ = HandleState::kFetched;
+    st_.tensors_fetched += 1;
+    poll_locked(garbage);
+  }
+  return out;
+}
+
+void CopyEngine::release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage) {
+  if (h.state_ == HandleState::kReleased) return;
+  if (h.state_ != HandleState::kFetched) st_.tensors_released += 1;
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_ && h.state_ == HandleState::kPrefetching && h.h2d_done_) {
+    // The reload may still be writing dest: its stream must not reuse the memory before that.
+    c10::cuda::CUDAGuard guard(device_.index());
+    h.h2d_done_->block(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, h.dest_stream_).stream());
+  }
+#endif
+  if (h.dest_.defined()) garbage.push_back(std::move(h.dest_));
+  h.dest_ = at::Tensor();
+  h.block_.reset();  // the block carries the event of the last copy that touched it
+  h.state_ = HandleState::kReleased;
+}
+
+void CopyEngine::release(const HandlePtr& h) {
+  TORCH_CHECK_VALUE(h != nullptr, "release: handle is None");
+  TORCH_CHECK_VALUE(h->engine_.get() == this, "release: the handle belongs to another engine");
+  std::vector<at::Tensor> garbage;
+  std::lock_guard<std::mutex> lock(mu_);
+  release_locked(*h, garbage);
+  poll_locked(garbage);
+}
+
+// ---------------------------------------------------------------------------------------------
+// polling, synchronisation, statistics
+
+void CopyEngine::poll_locked(std::vector<at::Tensor>& garbage) {
+  // One D2H stream: copies complete in the order they were queued.
+  while (!pending_.empty() && event_done(pending_.front().done)) {
+    garbage.push_back(std::move(pending_.front().tensor));
+    pending_.pop_front();
+  }
+}
+
+size_t CopyEngine::poll() {
+  std::vector<at::Tensor> garbage;
+  std::lock_guard<std::mutex> lock(mu_);
+  poll_locked(garbage);
+  return pending_.size();
+}
+
+void CopyEngine::synchronize() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());
+    CKPT_CUDA_CHECK(cudaStreamSynchronize(as_cuda(d2h_stream_)));
+    CKPT_CUDA_CHECK(cudaStreamSynchronize(as_cuda(h2d_stream_)));
+  }
+#endif
+  poll();
+}
+
+EngineStats CopyEngine::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  // Fold finished wait measurements into the total; unfinished ones stay for the next call.
+  std::vector<WaitSample> open;
+  for (auto& s : wait_samples_) {
+    if (s.end->query()) {
+      st_.reload_wait_ms += s.end->elapsed_ms_since(*s.start);
+      st_.reload_waits_measured += 1;
+    } else {
+      open.push_back(s);
+    }
+  }
+  wait_samples_.swap(open);
+#endif
+  EngineStats out = st_;
+  out.pending_sources = pending_.size();
+  return out;
+}
+
+void CopyEngine::reset_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  st_ = EngineStats();
+  wait_samples_.clear();
+}
+
+}  // namespace ckpt_offload

@@ -1,0 +1,134 @@
+// The copy engine: moves a tensor into a pool block on its own device-to-host stream and back on
+// its own host-to-device stream, ordered against the compute stream with events only.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Stream.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "host_pool.h"
+
+namespace ckpt_offload {
+
+enum class HandleState { kOffloading, kOnHost, kPrefetching, kFetched, kReleased };
+const char* state_name(HandleState s);
+
+struct EngineStats {
+  uint64_t tensors_offloaded = 0;
+  uint64_t bytes_offloaded = 0;   // device (or test-path) to host
+  uint64_t tensors_prefetched = 0;
+  uint64_t bytes_prefetched = 0;  // host to device
+  uint64_t tensors_fetched = 0;
+  uint64_t tensors_released = 0;  // handles given up without a fetch
+  uint64_t offloads_refused = 0;  // the pool refused a block (cap or system): caller keeps the tensor
+  uint64_t compacted = 0;         // non-contiguous inputs with gaps copied densely first
+  uint64_t pending_sources = 0;   // sources still referenced because their copy has not finished
+  double reload_wait_ms = 0.0;    // compute-stream time spent waiting for reloads (profiling only)
+  uint64_t reload_waits_measured = 0;
+};
+
+class CopyEngine;
+
+class OffloadHandle {
+ public:
+  ~OffloadHandle();
+  OffloadHandle(const OffloadHandle&) = delete;
+  OffloadHandle& operator=(const OffloadHandle&) = delete;
+
+  HandleState state();
+  size_t nbytes() const { return nbytes_; }
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  const std::vector<int64_t>& strides() const { return strides_; }
+  at::ScalarType dtype() const { return dtype_; }
+  c10::Device device() const { return device_; }
+  // True when the input had gaps (a strided slice) and came back contiguous with the same values.
+  bool compacted() const { return compacted_; }
+  // The host copy as a uint8 CPU tensor (None-like undefined tensor when not on host). Testing aid.
+  at::Tensor host_bytes();
+
+ private:
+  friend class CopyEngine;
+  explicit OffloadHandle(std::shared_ptr<CopyEngine> engine) : engine_(std::move(engine)) {}
+
+  std::shared_ptr<CopyEngine> engine_;
+  at::ScalarType dtype_ = at::kByte;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  std::vector<int64_t> sizes_, strides_;
+  int64_t span_elems_ = 0;
+  size_t nbytes_ = 0;
+  bool compacted_ = false;
+  HandleState state_ = HandleState::kOnHost;
+  std::shared_ptr<HostBlock> block_;
+  EventPtr d2h_done_;
+  EventPtr h2d_done_;
+  at::Tensor dest_;                    // device span while prefetching
+  c10::Stream dest_stream_ = c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU));
+};
+
+using HandlePtr = std::shared_ptr<OffloadHandle>;
+
+class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
+ public:
+  static std::shared_ptr<CopyEngine> create(c10::Device device, std::shared_ptr<HostPool> pool);
+  // The process-wide engine of a device, sharing the process-wide pool.
+  static std::shared_ptr<CopyEngine> for_device(c10::Device device);
+  static std::vector<std::shared_ptr<CopyEngine>> all_engines();
+  static std::shared_ptr<HostPool> global_pool();
+  static void set_profiling(bool on);
+  static bool profiling();
+  ~CopyEngine();
+
+  // Starts the copy to host and returns at once; nullptr when the pool refused a block.
+  HandlePtr offload(const at::Tensor& tensor);
+  // Starts the copy back to the device on the H2D stream. Idempotent.
+  void prefetch(const HandlePtr& h);
+  // Makes the current stream wait for the copy back and returns the tensor (same dtype, shape
+  // and strides; contiguous strides when compacted()).
+  at::Tensor fetch(const HandlePtr& h);
+  // Gives everything back without fetching. Idempotent.
+  void release(const HandlePtr& h);
+  // Drops sources whose device-to-host copy has completed; returns how many are still pending.
+  size_t poll();
+  // Waits for every copy this engine queued (host synchronisation: not for the step's hot path).
+  void synchronize();
+
+  EngineStats stats();
+  void reset_stats();
+  c10::Device device() const { return device_; }
+  const std::shared_ptr<HostPool>& pool() const { return pool_; }
+  bool uses_cuda() const { return cuda_; }
+
+ private:
+  CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool);
+  friend class OffloadHandle;
+  // Releases under the lock and hands back what must be destroyed after unlocking: dropping a
+  // tensor can take the GIL, which another thread may hold while waiting for this lock.
+  void release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage);
+  void prefetch_locked(OffloadHandle& h);
+  void poll_locked(std::vector<at::Tensor>& garbage);
+  void refresh_state_locked(OffloadHandle& h);
+
+  const c10::Device device_;
+  const std::shared_ptr<HostPool> pool_;
+  const bool cuda_;
+  void* d2h_stream_ = nullptr;  // cudaStream_t, kept opaque so this header needs no CUDA
+  void* h2d_stream_ = nullptr;
+  std::mutex mu_;
+  struct PendingSource {
+    EventPtr done;
+    at::Tensor tensor;
+  };
+  std::deque<PendingSource> pending_;
+  struct WaitSample {
+    EventPtr start, end;
+  };
+  std::vector<WaitSample> wait_samples_;
+  EngineStats st_;
+};
+
+}  // namespace ckpt_offload

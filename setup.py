@@ -1,0 +1,95 @@
+# Builds ckpt_offload._C from csrc/ with torch.utils.cpp_extension (use --no-build-isolation so it
+# compiles against the torch you run).
+#
+# Environment switches:
+#   CKPT_OFFLOAD_WITH_CUDA=0|1  force the host-only or the CUDA build. Default: CUDA when the
+#                               installed torch has CUDA and a CUDA toolkit is found. Whether a GPU
+#                               is present never matters: a GPU-less box builds the CUDA variant.
+#   CUDA_HOME / CUDA_PATH       the toolkit to use. Default: searched (see find_cuda_toolkit), which
+#                               also sees through an `nvcc` on PATH that is only a wrapper script.
+#   CKPT_OFFLOAD_DEBUG=1        -O0 -g instead of -O3.
+#   MAX_JOBS=N                  parallel compile jobs (ninja).
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "ckpt_offload"))
+from _toolkit import find_cuda_toolkit  # noqa: E402  (stdlib only; shared with CMake and the loader)
+
+sys.path.pop(0)
+
+
+def env_flag(name):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value not in ("0", "1"):
+        raise SystemExit(f"ckpt_offload setup: {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+import torch  # noqa: E402
+
+torch_has_cuda = torch.version.cuda is not None
+forced = env_flag("CKPT_OFFLOAD_WITH_CUDA")
+toolkit = find_cuda_toolkit() if forced is not False and torch_has_cuda else None
+if forced is True and not torch_has_cuda:
+    raise SystemExit(f"ckpt_offload setup: CKPT_OFFLOAD_WITH_CUDA=1 but torch {torch.__version__} has no CUDA")
+if forced is True and toolkit is None:
+    raise SystemExit(
+        "ckpt_offload setup: CKPT_OFFLOAD_WITH_CUDA=1 but no CUDA toolkit was found "
+        "(looked at CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda*); set CUDA_HOME=/path/to/cuda"
+    )
+with_cuda = toolkit is not None if forced is None else forced
+if with_cuda:
+    # torch.utils.cpp_extension reads CUDA_HOME once, when it is imported.
+    os.environ["CUDA_HOME"] = toolkit
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+debug = env_flag("CKPT_OFFLOAD_DEBUG")
+cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
+macros = [("CKPT_OFFLOAD_TORCH_VERSION", f'"{torch.__version__}"')]
+if with_cuda:
+    macros.append(("CKPT_OFFLOAD_WITH_CUDA", None))
+
+sources = [os.path.join("csrc", f) for f in ("bindings.cpp", "copy_engine.cpp", "host_pool.cpp", "cuda_util.cpp")]
+Extension = CUDAExtension if with_cuda else CppExtension
+ext = Extension(
+    "ckpt_offload._C",
+    sources,
+    define_macros=macros,
+    extra_compile_args={"cxx": cxx_flags, "nvcc": cxx_flags} if with_cuda else cxx_flags,
+)
+
+# The build record the loader compares with the running torch.
+cuda_version = None
+if with_cuda:
+    with open(os.path.join(toolkit, "include", "cuda_runtime_api.h")) as f:
+        m = re.search(r"#define CUDART_VERSION\s+(\d+)", f.read())
+    cuda_version = f"{int(m.group(1)) // 1000}.{int(m.group(1)) % 1000 // 10}" if m else None
+with open(os.path.join(ROOT, "ckpt_offload", "_build_info.py"), "w") as f:
+    f.write("# Written by setup.py at build time; compared with the running torch on import.\n")
+    f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
+    f.write(f"WITH_CUDA = {with_cuda!r}\n")
+    f.write(f"CUDA_VERSION = {cuda_version!r}\n")
+    f.write(f"CUDA_HOME = {toolkit!r}\n")
+
+print(f"ckpt_offload setup: torch {torch.__version__}, CUDA build: {with_cuda}" + (f" (toolkit {toolkit})" if with_cuda else ""))
+
+setup(
+    name="ckpt_offload",
+    version="0.1.0",
+    description="Gradient checkpointing with asynchronous activation offload to pinned host memory",
+    packages=find_packages(include=["ckpt_offload", "ckpt_offload.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "packaging"],
+    extras_require={"hf": ["transformers>=5.0", "accelerate"], "test": ["pytest", "hypothesis"]},
+)
