@@ -1,11 +1,51 @@
-"""ckpt_offload: gradient checkpointing with activations offloaded asynchronously to pinned host memory."""
+"""ckpt_offload: gradient checkpointing with activations offloaded asynchronously to pinned host memory.
+
+Three ways in: checkpoint() for one call, enable_checkpointing() for a model's repeated blocks,
+offload_activations() around any forward pass. integrations.hf plugs into transformers.
+"""
 from ._loader import load as _load
 
 _C = _load()
+
+from .checkpoint import checkpoint  # noqa: E402
+from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
+from .hooks import OffloadSession, offload_activations  # noqa: E402
+from .model import checkpointing_state, disable_checkpointing, enable_checkpointing, find_repeated_blocks  # noqa: E402
+
 HostPool = _C.HostPool
+HostBlock = _C.HostBlock
 CopyEngine = _C.CopyEngine
+OffloadHandle = _C.OffloadHandle
+
+__version__ = "0.1.0"
 
 
 def build_info():
-    """How the compiled core was built: torch_version, cuda_version (None host-only), with_cuda."""
-    return dict(_C.build_info())
+    """How the compiled core was built: torch_version, cuda_version (None host-only), with_cuda;
+    plus cuda_usable: whether a driver and a device are there now."""
+    info = dict(_C.build_info())
+    info["cuda_usable"] = _C.cuda_usable()
+    return info
+
+
+__all__ = [
+    "checkpoint",
+    "enable_checkpointing",
+    "disable_checkpointing",
+    "checkpointing_state",
+    "find_repeated_blocks",
+    "offload_activations",
+    "OffloadSession",
+    "stats",
+    "reset_stats",
+    "profile",
+    "synchronize",
+    "poll",
+    "engine_for",
+    "host_pool",
+    "build_info",
+    "HostPool",
+    "HostBlock",
+    "CopyEngine",
+    "OffloadHandle",
+]

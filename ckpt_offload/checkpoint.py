@@ -1,0 +1,71 @@
+"""ckpt_offload.checkpoint: torch's non-reentrant checkpoint with its saved inputs offloaded."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.utils.checkpoint as _tuc
+
+from .hooks import OffloadSession
+
+# Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
+_CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+_default_session = None
+_kwarg_warned = False
+
+
+def default_session() -> OffloadSession:
+    global _default_session
+    if _default_session is None:
+        _default_session = OffloadSession(prefetch=2)
+    return _default_session
+
+
+def warn_kwarg_tensors(kwargs) -> None:
+    """Saved-tensor hooks only see a checkpoint's positional tensor inputs; say so once."""
+    global _kwarg_warned
+    if _kwarg_warned:
+        return
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            _kwarg_warned = True
+            warnings.warn(
+                f"ckpt_offload: the tensor passed as keyword {key!r} requires grad but is not offloaded: "
+                "a checkpoint offloads only its positional tensor inputs (keywords and closures are "
+                "invisible to saved-tensor hooks). Pass it positionally to offload it. Shown once.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+
+
+def run_checkpoint(session, function, args, kwargs):
+    """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device)."""
+    if session is None or not torch.is_grad_enabled():
+        return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    with session.hooks():
+        return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint(function, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
+    """Drop-in for torch.utils.checkpoint.checkpoint (non-reentrant only).
+
+    With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
+    asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
+    those of torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False). Tensors
+    passed through keywords or closures are not offloaded (saved-tensor hooks cannot see them).
+    """
+    if use_reentrant:
+        raise ValueError(
+            "ckpt_offload.checkpoint: use_reentrant=True is not supported; the reentrant variant saves "
+            "no inputs through saved-tensor hooks in a way offload can follow. Use use_reentrant=False."
+        )
+    if not callable(function):
+        raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
+    if not isinstance(offload, bool):
+        raise TypeError(f"ckpt_offload.checkpoint: offload must be True or False, got {offload!r}")
+    warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
+    if offload and session is None:
+        session = default_session()
+    return run_checkpoint(session if offload else None, function, args, kwargs)

@@ -1,0 +1,100 @@
+"""Process-wide engines and statistics: the thin Python face of ckpt_offload._C."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ._loader import load
+
+_C = load()
+
+_counters_lock = threading.Lock()
+_counters = {"tensors_kept_on_device": 0, "shared_views": 0}
+
+
+def count(name: str, n: int = 1) -> None:
+    with _counters_lock:
+        _counters[name] += n
+
+
+def engine_for(device) -> "_C.CopyEngine":
+    """The process-wide copy engine of a device (its own D2H and H2D streams), shared pool."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _C.engine_for(device)
+
+
+def host_pool() -> "_C.HostPool":
+    """The process-wide host pool every engine draws from."""
+    return _C.global_pool()
+
+
+_ENGINE_KEYS = (
+    "tensors_offloaded",
+    "bytes_offloaded",
+    "tensors_prefetched",
+    "bytes_prefetched",
+    "tensors_fetched",
+    "tensors_released",
+    "offloads_refused",
+    "compacted",
+    "pending_sources",
+    "reload_wait_ms",
+    "reload_waits_measured",
+)
+
+
+def stats() -> dict:
+    """Counters of every engine summed, the host pool's figures (host_*), and the Python layer's."""
+    out = {k: 0 for k in _ENGINE_KEYS}
+    for eng in _C.all_engines():
+        for k, v in eng.stats().items():
+            out[k] += v
+    pool = _C.global_pool().stats()
+    out.update(
+        host_pinned=pool["pinned"],
+        host_reserved_bytes=pool["reserved_bytes"],
+        host_in_use_bytes=pool["in_use_bytes"],
+        host_peak_bytes=pool["peak_in_use_bytes"],
+        host_alloc_calls=pool["alloc_calls"],
+        host_allocated_bytes=pool["allocated_bytes"],
+        host_free_calls=pool["free_calls"],
+        host_hits=pool["hits"],
+        host_misses=pool["misses"],
+        host_cap_refusals=pool["cap_refusals"],
+        host_alloc_failures=pool["alloc_failures"],
+        host_capacity_bytes=pool["capacity_bytes"],
+    )
+    with _counters_lock:
+        out.update(_counters)
+    out["profiling"] = _C.profiling()
+    return out
+
+
+def reset_stats() -> None:
+    """Zeroes every counter; the pool's peak restarts from the bytes in use now."""
+    for eng in _C.all_engines():
+        eng.reset_stats()
+    _C.global_pool().reset_stats()
+    with _counters_lock:
+        for k in _counters:
+            _counters[k] = 0
+
+
+def profile(on: bool = True) -> None:
+    """Measures, with CUDA events, how long the compute stream waits for each reload
+    (stats()['reload_wait_ms']). Off by default: it adds two events per reload."""
+    _C.set_profiling(bool(on))
+
+
+def synchronize() -> None:
+    """Waits for every queued copy and drops the sources whose copies finished."""
+    for eng in _C.all_engines():
+        eng.synchronize()
+
+
+def poll() -> int:
+    """Drops sources whose device-to-host copies finished, without waiting; returns how many remain."""
+    return sum(eng.poll() for eng in _C.all_engines())

@@ -1,0 +1,323 @@
+"""Saved-tensor hooks that send activations through the copy engine and prefetch them in backward.
+
+An OffloadSession holds the policy (what to offload, how far to prefetch) and the order in which
+tensors were packed; the engine in ckpt_offload._C does the copies.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from bisect import bisect_left
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import engine as _engine
+
+_TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def test_cpu_enabled() -> bool:
+    """CKPT_OFFLOAD_TEST_CPU=1 (a testing aid) sends CPU tensors through the pool and engine too."""
+    return os.environ.get(_TEST_CPU_ENV, "0") == "1"
+
+
+class _Record:
+    """One offloaded byte range of a storage: the engine handle while away, the tensor once back."""
+
+    __slots__ = ("handle", "engine", "nbytes", "seq", "prefetched", "tensor", "storage_offset", "__weakref__")
+
+    def __init__(self, handle, engine, nbytes, seq, storage_offset):
+        self.handle = handle
+        self.engine = engine
+        self.nbytes = nbytes
+        self.seq = seq
+        self.prefetched = False
+        self.tensor = None
+        self.storage_offset = storage_offset
+
+
+class _Packed:
+    """What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself
+    while it waits in the keep-last queue."""
+
+    __slots__ = ("record", "kept", "view")
+
+    def __init__(self, record=None, kept=None, view=None):
+        self.record = record
+        self.kept = kept
+        self.view = view  # None: the record's own tensor; else (size, stride, element offset delta)
+
+
+class OffloadSession:
+    """Offload policy and bookkeeping shared by every pack/unpack of one model or context.
+
+    min_bytes: smaller tensors stay on the device. keep_last: the last N candidates of a context
+    stay on the device (backward needs them first). prefetch / prefetch_bytes: how many offloaded
+    tensors (for checkpointing: layers), or bytes, to have on their way back ahead of need.
+    """
+
+    def __init__(self, *, min_bytes=0, keep_last=0, prefetch=2, prefetch_bytes=None, track_modules=False):
+        self.min_bytes = min_bytes
+        self.keep_last = keep_last
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self.test_cpu = test_cpu_enabled()
+        self._lock = threading.Lock()
+        self._seqs: list[int] = []  # pack order of live records, ascending
+        self._refs: list = []  # weakrefs to the records, aligned with _seqs
+        self._next_seq = 0
+        self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype, version)]
+        self._deferred: list = []  # keep-last queue: (_Packed, tensor)
+        self._engines = {}
+        self._module_ptrs: set = set()
+        self._module_hook = None
+        self._track_modules = track_modules
+
+    # -- the hooks -----------------------------------------------------------------------------
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _is_candidate(self, t) -> bool:
+        # Parameters, buffers, tensor subclasses (fake, functional, DTensor), meta and CPU tensors
+        # are never offloaded: nothing is freed by copying them, or there is no data to copy.
+        if type(t) is not torch.Tensor:
+            return False
+        if t.is_leaf and t.requires_grad:
+            return False
+        dev = t.device.type
+        if dev != "cuda" and not (dev == "cpu" and self.test_cpu):
+            return False
+        if t.layout != torch.strided or t.is_nested or t.is_quantized:
+            return False
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or nbytes < self.min_bytes:
+            return False
+        if self._module_ptrs and t.untyped_storage().data_ptr() in self._module_ptrs:
+            return False
+        return True
+
+    def pack(self, t):
+        if not self._is_candidate(t):
+            return t
+        packed = _Packed(kept=t)
+        if self.keep_last > 0:
+            # The newest keep_last candidates wait on the device; the oldest of them goes now.
+            self._deferred.append(packed)
+            if len(self._deferred) <= self.keep_last:
+                return packed
+            packed = self._deferred.pop(0)
+        self._send(packed)
+        return packed
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.kept is not None:
+            return packed.kept
+        base = self._load(packed.record)
+        if packed.view is None:
+            return base
+        size, stride, delta = packed.view
+        return base.as_strided(size, stride, base.storage_offset() + delta)
+
+    # -- offload -------------------------------------------------------------------------------
+    def _engine_for(self, device):
+        eng = self._engines.get(device)
+        if eng is None:
+            eng = self._engines[device] = _engine.engine_for(device)
+        return eng
+
+    def _send(self, packed):
+        t = packed.kept
+        ref = StorageWeakRef(t.untyped_storage())
+        start = t.storage_offset()
+        end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        version = t._version
+        with self._lock:
+            # A view of a range already on its way: share that copy instead of moving it twice.
+            for rec_ref, r_start, r_end, r_dtype, r_version in self._by_storage.get(ref, ()):
+                rec = rec_ref()
+                if (
+                    rec is not None
+                    and r_dtype == t.dtype
+                    and r_version == version
+                    and r_start <= start
+                    and end <= r_end
+                ):
+                    packed.record = rec
+                    packed.view = (tuple(t.shape), tuple(t.stride()), start - rec.storage_offset)
+                    packed.kept = None
+                    _engine.count("shared_views")
+                    return
+        src = t
+        if end - start > t.numel():
+            # Gaps between elements (q, k, v split from one projection): when the whole storage is
+            # not much larger, move it once and view every slice from it, instead of compacting
+            # each slice on the device first.
+            storage_elems = t.untyped_storage().nbytes() // t.element_size()
+            if storage_elems * t.element_size() <= 4 * t.numel() * t.element_size():
+                src = t.detach().as_strided((storage_elems,), (1,), 0)
+                start, end = 0, storage_elems
+        eng = self._engine_for(t.device)
+        handle = eng.offload(src)
+        if handle is None:
+            _engine.count("tensors_kept_on_device")
+            _warn_refused(eng)
+            return  # stays on the device
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            rec = _Record(handle, eng, handle.nbytes, seq, start)
+            self._seqs.append(seq)
+            self._refs.append(weakref.ref(rec))
+            if not handle.compacted:
+                entries = self._by_storage.setdefault(ref, [])
+                entries.append((weakref.ref(rec), start, end, t.dtype, version))
+                if len(self._by_storage) > 256:
+                    self._prune_storages()
+        packed.record = rec
+        packed.kept = None
+        if src is not t:
+            packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _prune_storages(self):
+        for key in [k for k in self._by_storage if k.expired()]:
+            del self._by_storage[key]
+
+    # -- reload --------------------------------------------------------------------------------
+    def _load(self, rec):
+        if rec.tensor is None:
+            self._prefetch_before(rec)
+            rec.tensor = rec.engine.fetch(rec.handle)
+            rec.handle = None  # fetched: the host block is back in the pool
+        return rec.tensor
+
+    def _prefetch_before(self, rec):
+        """Start the reloads backward needs next: records packed before rec, nearest first."""
+        if self.prefetch <= 0:
+            return
+        with self._lock:
+            seqs, refs = self._seqs, self._refs
+            # Drop finished entries at the tail: backward consumes the newest first.
+            while refs and (refs[-1]() is None or refs[-1]().handle is None):
+                seqs.pop()
+                refs.pop()
+            i = bisect_left(seqs, rec.seq) - 1
+            queued = queued_bytes = 0
+            todo = []
+            while i >= 0 and queued < self.prefetch:
+                r = refs[i]()
+                i -= 1
+                if r is None or r.handle is None:
+                    continue
+                if self.prefetch_bytes is not None and queued > 0 and queued_bytes + r.nbytes > self.prefetch_bytes:
+                    break
+                queued += 1
+                queued_bytes += r.nbytes
+                if not r.prefetched:
+                    r.prefetched = True
+                    todo.append(r)
+            if len(seqs) > 64 and len(seqs) > 4 * sum(1 for x in refs if x() is not None):
+                live = [(s, x) for s, x in zip(seqs, refs) if x() is not None]
+                self._seqs = [s for s, _ in live]
+                self._refs = [x for _, x in live]
+        for r in todo:
+            handle = r.handle
+            if handle is not None:
+                r.engine.prefetch(handle)
+
+    # -- context -------------------------------------------------------------------------------
+    def begin(self):
+        if self._track_modules:
+            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
+
+    def end(self):
+        """Closes a forward: the keep-last queue stays on the device, finished copies free sources."""
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+        self._module_ptrs = set()
+        self._deferred = []
+        self.poll()
+
+    def _note_module(self, module, args):
+        for p in module._parameters.values():
+            if p is not None:
+                self._module_ptrs.add(p.untyped_storage().data_ptr())
+        for b in module._buffers.values():
+            if b is not None:
+                self._module_ptrs.add(b.untyped_storage().data_ptr())
+
+    def poll(self):
+        for eng in self._engines.values():
+            eng.poll()
+
+
+_refusal_warned = False
+
+
+def _warn_refused(eng):
+    global _refusal_warned
+    if not _refusal_warned:
+        _refusal_warned = True
+        s = eng.pool.stats()
+        warnings.warn(
+            "ckpt_offload: the host pool refused a block (capacity cap "
+            f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
+            "allocations); tensors that do not fit stay on the device. Gradients are unaffected. "
+            "This warning is shown once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class offload_activations:
+    """Context manager: every activation saved for backward inside it, of at least min_bytes, is
+    copied asynchronously to pinned host memory and prefetched back in backward.
+
+    Parameters, buffers, CPU, meta and subclass tensors stay where they are; views of one storage
+    range move once. keep_last: the last N saved tensors stay on the device. prefetch: how many
+    saved tensors are on their way back ahead of need (prefetch_bytes caps it by bytes).
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, keep_last: int = 0, prefetch: int = 4, prefetch_bytes=None):
+        _check_int("offload_activations", "min_bytes", min_bytes, 0)
+        _check_int("offload_activations", "keep_last", keep_last, 0)
+        _check_int("offload_activations", "prefetch", prefetch, 0)
+        if prefetch_bytes is not None:
+            _check_int("offload_activations", "prefetch_bytes", prefetch_bytes, 1)
+        self.session = OffloadSession(
+            min_bytes=min_bytes,
+            keep_last=keep_last,
+            prefetch=prefetch,
+            prefetch_bytes=prefetch_bytes,
+            track_modules=True,
+        )
+        self._hooks = None
+
+    def __enter__(self):
+        if self._hooks is not None:
+            raise RuntimeError("offload_activations: this context is already active; create a new one to nest")
+        self.session.begin()
+        self._hooks = self.session.hooks()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            self._hooks = None
+            self.session.end()
+        return False
+
+
+def _check_int(where, name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value}")

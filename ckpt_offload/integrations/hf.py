@@ -1,0 +1,127 @@
+"""transformers integration: its own gradient checkpointing, with the async engine for offload.
+
+enable() keeps transformers' layer selection (GradientCheckpointingLayer, every_n_layers) and only
+replaces the synchronous save_on_cpu offload of `gradient_checkpointing_enable(offload=True)`.
+OffloadCallback does the same for a Trainer run from its TrainingArguments.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError as err:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
+    ) from err
+
+from ..checkpoint import run_checkpoint
+from ..hooks import OffloadSession, _check_int
+
+_STATE_ATTR = "_ckpt_offload_hf"
+
+
+def _checkpoint_func(session, ckpt_kwargs, function, *args, **kwargs):
+    return run_checkpoint(session, function, args, {**ckpt_kwargs, **kwargs})
+
+
+def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 2,
+           prefetch_bytes=None, **checkpoint_kwargs) -> list[int]:
+    """Turns on transformers' gradient checkpointing for `model` with the same layer selection
+    transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
+    through the async engine (the last keep_last checkpointed layers stay on the device).
+    checkpoint_kwargs go to torch.utils.checkpoint.checkpoint (non-reentrant only).
+    Returns the 0-based indices of the checkpointed GradientCheckpointingLayer modules.
+    """
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"hf.enable: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
+    _check_int("hf.enable", "keep_last", keep_last, 0)
+    _check_int("hf.enable", "prefetch", prefetch, 0)
+    if checkpoint_kwargs.pop("use_reentrant", False):
+        raise ValueError("hf.enable: use_reentrant=True is not supported; ckpt_offload checkpoints non-reentrantly")
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs},
+        every_n_layers=every_n_layers,
+        offload=False,
+    )
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
+    model.__dict__[_STATE_ATTR] = (checkpointed, [])
+    if not offload:
+        return checkpointed
+    if keep_last > len(checkpointed):
+        raise ValueError(
+            f"hf.enable: keep_last={keep_last} is larger than the {len(checkpointed)} checkpointed layers; "
+            f"use 0..{len(checkpointed)}"
+        )
+    offloaded = checkpointed[: len(checkpointed) - keep_last]
+    session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    func = functools.partial(_checkpoint_func, session, checkpoint_kwargs)
+    for i in offloaded:
+        layers[i]._gradient_checkpointing_func = func
+    # Modules that checkpoint their children themselves (older model code) offload too.
+    for m in model.modules():
+        if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
+            if m.gradient_checkpointing:
+                m._gradient_checkpointing_func = func
+    model.__dict__[_STATE_ATTR] = (checkpointed, offloaded)
+    return checkpointed
+
+
+def disable(model) -> None:
+    """transformers' gradient_checkpointing_disable(), and forgets the offload settings."""
+    model.gradient_checkpointing_disable()
+    model.__dict__.pop(_STATE_ATTR, None)
+
+
+def state(model):
+    """(checkpointed indices, offloaded indices) set by enable(), or None."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+class OffloadCallback(TrainerCallback):
+    """Makes a Trainer run use the async engine.
+
+    Use with TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs=
+    {"every_n_layers": 4, "offload": True}); at the start of training the model's checkpointing is
+    re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are this
+    callback's own.
+    """
+
+    def __init__(self, keep_last: int = 1, prefetch: int = 2, prefetch_bytes=None):
+        _check_int("OffloadCallback", "keep_last", keep_last, 0)
+        _check_int("OffloadCallback", "prefetch", prefetch, 0)
+        self.keep_last = keep_last
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self.checkpointed = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not args.gradient_checkpointing:
+            warnings.warn("OffloadCallback: gradient_checkpointing is off in TrainingArguments; nothing to offload")
+            return
+        gc_kwargs = dict(args.gradient_checkpointing_kwargs or {})
+        every_n_layers = gc_kwargs.pop("every_n_layers", 1)
+        offload = gc_kwargs.pop("offload", False)
+        if not offload:
+            warnings.warn(
+                "OffloadCallback: gradient_checkpointing_kwargs has no 'offload': True; checkpointing runs without offload"
+            )
+        self.checkpointed = enable(
+            model,
+            every_n_layers=every_n_layers,
+            offload=bool(offload),
+            keep_last=min(self.keep_last, self._count(model, every_n_layers)),
+            prefetch=self.prefetch,
+            prefetch_bytes=self.prefetch_bytes,
+            **gc_kwargs,
+        )
+
+    @staticmethod
+    def _count(model, every_n_layers):
+        n = sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+        return len(range(0, n, every_n_layers))
