@@ -1,0 +1,36 @@
+"""Shared fixtures: the CPU test path switch, clean statistics, and the GPU marker."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import ckpt_offload  # noqa: E402
+
+HAS_CUDA = ckpt_offload.build_info()["cuda_usable"] and torch.cuda.is_available()
+NO_GPU_REASON = "needs a CUDA GPU and a CUDA build of the extension (none here)"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
+
+# Devices a test written once runs on: the CPU through the test path, and the GPU when present.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason where none is present")
+
+
+@pytest.fixture
+def test_cpu(monkeypatch):
+    """CKPT_OFFLOAD_TEST_CPU=1: CPU tensors go through the pool and the engine too."""
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def clean_stats():
+    ckpt_offload.synchronize()
+    ckpt_offload.reset_stats()
+    yield
+    ckpt_offload.profile(False)
