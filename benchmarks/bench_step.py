@@ -1,0 +1,682 @@
+"""Training-step benchmark: one decoder-only transformer, every checkpointing mode (none, full,
+every-n, transformers-style synchronous offload, ckpt_offload's async offload) on identical weights.
+Reports step time, device and host memory, bytes moved and reload waits; writes JSON and plots.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+import ckpt_offload
+
+CONFIGS = {
+    # Finishes in seconds on a 2-core CPU; the default without a GPU.
+    "small": dict(layers=4, hidden=64, heads=4, kv_heads=2, mlp=176, seqs="64", batch=2, dtype="float32",
+                  vocab=256, warmup=1, steps=3),
+    # Llama-3-8B-shaped layers; the default with a GPU.
+    "standard": dict(layers=8, hidden=4096, heads=32, kv_heads=8, mlp=14336, seqs="4096,8192", batch=1,
+                     dtype="bfloat16", vocab=1024, warmup=2, steps=5),
+}
+MODES = ["none", "full", "every2", "every4", "sync_offload", "async_offload", "every2_async", "offload_activations"]
+# Modes whose gradients must equal another mode's bit for bit (same kernels, values only moved).
+BITWISE = {"sync_offload": "full", "async_offload": "full", "every2_async": "every2", "offload_activations": "none"}
+HF_MODES = ["hf_none", "hf_gc", "hf_gc_sync_offload", "hf_gc_async_offload"]
+HF_BITWISE = {"hf_gc_sync_offload": "hf_gc", "hf_gc_async_offload": "hf_gc"}
+CPU_LABEL = "CPU timings (no GPU): not representative"
+OPTIMIZER_NOTE = "step = forward + backward; the optimizer step is excluded"
+
+
+# -- the model ------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-5, **fk):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, **fk))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(seq, head_dim, device, dtype, base=500000.0):
+    """Rotary cos/sin tables, cached: computed once per shape, shared by every block."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    emb = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq).repeat(1, 2).to(device)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, rope, **fk):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False, **fk)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, **fk)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, **fk)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False, **fk)
+        self.rope = rope
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope:
+            cos, sin = rope_tables(s, self.head_dim, x.device, x.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden, width, **fk):
+        super().__init__()
+        self.gate = nn.Linear(hidden, width, bias=False, **fk)
+        self.up = nn.Linear(hidden, width, bias=False, **fk)
+        self.down = nn.Linear(width, hidden, bias=False, **fk)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, mlp, rope, **fk):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, **fk)
+        self.attn = Attention(hidden, heads, kv_heads, rope, **fk)
+        self.mlp_norm = RMSNorm(hidden, **fk)
+        self.mlp = SwiGLU(hidden, mlp, **fk)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, norm, a small LM head (small vocab: the blocks' activations dominate)."""
+
+    def __init__(self, a, device, dtype):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.embed = nn.Embedding(a.vocab, a.hidden, **fk)
+        self.layers = nn.ModuleList(Block(a.hidden, a.heads, a.kv_heads, a.mlp, a.rope, **fk) for _ in range(a.layers))
+        self.norm = RMSNorm(a.hidden, **fk)
+        self.head = nn.Linear(a.hidden, a.vocab, bias=False, **fk)
+        self.layer_call = None  # set by the sync_offload mode: how each block is called
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x) if self.layer_call is None else self.layer_call(block, x)
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def sync_offload_call(block, x):
+    """What transformers 5.x does for gradient_checkpointing_enable(offload=True), per layer."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return tuc.checkpoint(block, x, use_reentrant=False)
+
+
+# -- modes ----------------------------------------------------------------------------------------
+def apply_mode(model, mode, a):
+    """Puts the model in `mode`; returns a factory of the context each forward runs in."""
+    ckpt_offload.disable_checkpointing(model)
+    model.layer_call = None
+    every = {"full": 1, "every2": 2, "every4": 4, "async_offload": 1, "every2_async": 2}.get(mode)
+    if every is not None:
+        ckpt_offload.enable_checkpointing(model, every_n_layers=every, offload="async" in mode,
+                                          keep_last=a.keep_last, prefetch=a.prefetch, layers=list(model.layers))
+    elif mode == "sync_offload":
+        model.layer_call = sync_offload_call
+    elif mode == "offload_activations":
+        return lambda: ckpt_offload.offload_activations(min_bytes=a.min_bytes)
+    return contextlib.nullcontext
+
+
+def offloaded_layers(model, mode):
+    if mode == "sync_offload":
+        return len(model.layers)
+    state = ckpt_offload.checkpointing_state(model)
+    return 0 if state is None else len(state[1])
+
+
+def restored_exactly(model) -> bool:
+    """disable_checkpointing left no instance forward and no state behind."""
+    return ckpt_offload.checkpointing_state(model) is None and all("forward" not in b.__dict__ for b in model.layers)
+
+
+# -- one step and its measurements ----------------------------------------------------------------
+def train_step(model, ids, ctx):
+    model.zero_grad(set_to_none=True)
+    with ctx():
+        loss = model(ids)
+    loss.backward()
+    return loss
+
+
+def timed_step(model, ids, ctx, cuda):
+    """Milliseconds of one step: CUDA events on a GPU, perf_counter on the CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        train_step(model, ids, ctx)
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    train_step(model, ids, ctx)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def settle(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+    ckpt_offload.synchronize()
+
+
+def reference(model, loss, cuda):
+    """What a mode is checked by: the loss and the gradients (on a GPU, per-tensor fingerprints)."""
+    grads = [p.grad for p in model.parameters()]
+    if cuda:
+        grads = [torch.stack([g.double().sum(), g.double().norm()]).cpu() for g in grads]
+    else:
+        grads = [g.detach().clone() for g in grads]
+    return loss.detach().float().cpu(), grads
+
+
+def inspect_step(model, ids, ctx, cuda):
+    """Untimed: device bytes held after forward (copies settled) and host pool bytes in use."""
+    model.zero_grad(set_to_none=True)
+    settle(cuda)
+    before = torch.cuda.memory_allocated() if cuda else None
+    with ctx():
+        loss = model(ids)
+    host = ckpt_offload.stats()["host_in_use_bytes"]
+    settle(cuda)
+    act = torch.cuda.memory_allocated() - before if cuda else None
+    loss.backward()
+    settle(cuda)
+    return act, host
+
+
+def profiled_step(model, ids, ctx, cuda):
+    """Untimed pass with profiling on: how long the compute stream waited for reloads."""
+    ckpt_offload.reset_stats()
+    ckpt_offload.profile(True)
+    try:
+        train_step(model, ids, ctx)
+        settle(cuda)
+        s = ckpt_offload.stats()
+    finally:
+        ckpt_offload.profile(False)
+    return s["reload_wait_ms"] if s["reload_waits_measured"] else None
+
+
+def measure(model, ids, mode, ctx, a, cuda):
+    """Warm-up, timed steps, a check step, an inspection step and a profiled step of the model as
+    configured now. The check step runs on other tokens than the timed ones, after them: a reload that
+    returned stale pool memory would then show in the gradients."""
+    for _ in range(a.warmup):
+        train_step(model, ids, ctx)  # the first warm-up step fills the pool
+    settle(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ckpt_offload.reset_stats()
+    times = [timed_step(model, ids, ctx, cuda) for _ in range(a.steps)]
+    settle(cuda)
+    s = ckpt_offload.stats()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
+    ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
+    act, host = inspect_step(model, ids, ctx, cuda)
+    wait = profiled_step(model, ids, ctx, cuda)
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return dict(
+        mode=mode, seq=ids.shape[1], loss=float(ref[0]), step_ms_median=statistics.median(times), step_ms_min=min(times),
+        step_ms_max=max(times), step_ms_iqr=[q[0], q[2]], step_ms_all=times, peak_device_bytes=peak,
+        act_device_bytes=act, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
+        host_peak_bytes=s["host_peak_bytes"], host_alloc_calls_timed=s["host_alloc_calls"],
+        bytes_offloaded_per_step=s["bytes_offloaded"] / a.steps,
+        bytes_prefetched_per_step=s["bytes_prefetched"] / a.steps, reload_wait_ms_profiled=wait,
+        tensors_kept_on_device=s["tensors_kept_on_device"]), ref
+
+
+def measure_mode(model, ids, mode, a, cuda):
+    ctx = apply_mode(model, mode, a)
+    row, ref = measure(model, ids, mode, ctx, a, cuda)
+    row["offloaded_layers"] = offloaded_layers(model, mode)
+    ckpt_offload.disable_checkpointing(model)
+    model.layer_call = None
+    return row, ref
+
+
+# -- checks ---------------------------------------------------------------------------------------
+def compare(ref, other, cuda, bitwise):
+    """Empty string when they agree, else what differs."""
+    (l0, g0), (l1, g1) = ref, other
+    if cuda:  # bf16, and attention backward may use atomics: (sum, norm) within tolerance, scaled by the norm
+        bad = sum(not (abs(a[1] - b[1]) <= 2e-2 * a[1] + 1e-12 and abs(a[0] - b[0]) <= 5e-2 * a[1] + 1e-12)
+                  for a, b in zip(g0, g1))
+        if not torch.allclose(l0, l1, rtol=1e-2, atol=1e-3):
+            return f"loss differs ({l0.item()} vs {l1.item()})"
+        return f"{bad} gradient fingerprints differ beyond bf16 tolerance" if bad else ""
+    if bitwise:
+        if not torch.equal(l0, l1):
+            return f"loss differs bitwise ({l0.item()!r} vs {l1.item()!r})"
+        bad = sum(not torch.equal(a, b) for a, b in zip(g0, g1))
+        return f"{bad} gradients differ bitwise" if bad else ""
+    if not torch.allclose(l0, l1, rtol=1e-5, atol=1e-6):
+        return f"loss differs ({l0.item()} vs {l1.item()})"
+    bad = sum(not torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g0, g1))
+    return f"{bad} gradients differ" if bad else ""
+
+
+def run_checks(rows, refs, base, bitwise_pairs, cuda, restored):
+    problems = []
+    for mode, ref in refs.items():
+        if mode != base and base in refs and (err := compare(refs[base], ref, cuda, False)):
+            problems.append(f"{mode} vs {base}: {err}")
+        other = bitwise_pairs.get(mode)
+        if other in refs and (err := compare(refs[other], ref, cuda, True)):
+            problems.append(f"{mode} vs {other} (bitwise): {err}")
+    for r in rows:
+        if r.get("error", "").startswith("failed"):
+            problems.append(f"{r['mode']}@{r['seq']}: {r['error']}")
+        if r.get("host_alloc_calls_timed"):
+            problems.append(f"{r['mode']}@{r['seq']}: {r['host_alloc_calls_timed']} host allocations in timed steps")
+    if not restored:
+        problems.append("disable_checkpointing did not restore the model exactly")
+    return problems
+
+
+# -- the transformers comparison --------------------------------------------------------------------
+def hf_support():
+    """(module, signature parameters of gradient_checkpointing_enable) or (None, reason)."""
+    try:
+        import inspect
+
+        import transformers
+        from ckpt_offload.integrations import hf
+    except ImportError as err:
+        return None, f"transformers comparison skipped: {err}"
+    params = inspect.signature(transformers.PreTrainedModel.gradient_checkpointing_enable).parameters
+    return (transformers, hf, set(params)), ""
+
+
+def build_hf_model(transformers, a, device, dtype):
+    cfg = transformers.LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=max(a.seq_list),
+        attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.train()
+
+
+def apply_hf_mode(model, mode, a, hf, params):
+    """Returns an error string when this transformers lacks what the mode needs."""
+    model.gradient_checkpointing_disable()
+    hf.disable(model)
+    if mode == "hf_none":
+        return ""
+    if "every_n_layers" not in params:
+        return "this transformers has no gradient_checkpointing_enable(every_n_layers=...)"
+    kw = dict(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=a.hf_every)
+    if mode == "hf_gc":
+        model.gradient_checkpointing_enable(**kw)
+    elif mode == "hf_gc_sync_offload":
+        if "offload" not in params:
+            return "this transformers has no gradient_checkpointing_enable(offload=...)"
+        model.gradient_checkpointing_enable(**kw, offload=True)
+    else:
+        hf.enable(model, every_n_layers=a.hf_every, offload=True, keep_last=a.keep_last, prefetch=a.prefetch)
+    return ""
+
+
+class HFLoss(nn.Module):
+    """Gives the transformers model this script's (ids -> loss) call."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def run_hf(a, device, cuda, bar):
+    support, note = hf_support()
+    if support is None:
+        print(note)
+        return [], [note]
+    transformers, hf, params = support
+    model = build_hf_model(transformers, a, device, a.torch_dtype)
+    wrapped = HFLoss(model)
+    rows, problems = [], []
+    for seq in a.seq_list:
+        ids = make_ids(a, seq, device)
+        refs = {}
+        for mode in HF_MODES:
+            bar.set_description(f"{mode} seq={seq}")
+            try:
+                err = apply_hf_mode(model, mode, a, hf, params)
+            except Exception as exc:  # a transformers version this script does not know: say so, go on
+                err = f"{type(exc).__name__}: {exc}"
+            if err:
+                print(f"{mode}: skipped: {err}")
+                rows.append(dict(mode=mode, seq=seq, skipped=err))
+            else:
+                row, refs[mode] = run_guarded(lambda: measure(wrapped, ids, mode, contextlib.nullcontext, a, cuda), mode, seq)
+                rows.append(row)
+            bar.update(1)
+        refs = {m: r for m, r in refs.items() if r is not None}
+        problems += run_checks([r for r in rows if r["seq"] == seq], refs, "hf_gc", HF_BITWISE, cuda, True)
+    return rows, problems
+
+
+# -- environment, output --------------------------------------------------------------------------
+def hardware_info():
+    info = dict(python=platform.python_version(), torch=torch.__version__, cuda_runtime=torch.version.cuda,
+                cpu=cpu_model(), cpu_count=os.cpu_count(), gpu=None, gpu_driver=None)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, gpu_capability=f"{p.major}.{p.minor}")
+        q = "driver_version,pcie.link.gen.current,pcie.link.width.current"
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["gpu_driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+        except (OSError, subprocess.SubprocessError):
+            pass  # no nvidia-smi: the driver stays unknown
+    info["ckpt_offload_build"] = ckpt_offload.build_info()
+    info["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info["command"] = " ".join([sys.executable] + sys.argv)
+    return info
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def fmt_ratio(x):
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
+def print_table(headers, rows):
+    widths = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    print(line(headers))
+    print(line("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+
+
+def add_ratios(rows, base_mode="full"):
+    for seq in {r["seq"] for r in rows}:
+        base = next((r for r in rows if r["seq"] == seq and r["mode"] == base_mode and "step_ms_median" in r), None)
+        for r in rows:
+            if r["seq"] != seq or "step_ms_median" not in r or base is None:
+                continue
+            r[f"time_vs_{base_mode}"] = r["step_ms_median"] / base["step_ms_median"]
+            pb, pr = base.get("peak_device_bytes"), r.get("peak_device_bytes")
+            r[f"peak_vs_{base_mode}"] = pr / pb if pb and pr else None
+
+
+def savings(rows, a):
+    """Theoretical (offloaded layers x b x s x h x bytes) beside measured peak differences."""
+    out = []
+    pairs = [("async_offload", "full"), ("every2_async", "every2"), ("sync_offload", "full")]
+    for seq in a.seq_list:
+        by = {r["mode"]: r for r in rows if r["seq"] == seq and "step_ms_median" in r}
+        for mode, base in pairs:
+            if mode in by and base in by:
+                theory = by[mode]["offloaded_layers"] * a.batch * seq * a.hidden * a.elem
+                pb, pm = by[base]["peak_device_bytes"], by[mode]["peak_device_bytes"]
+                measured = pb - pm if pb is not None and pm is not None else None
+                out.append(dict(seq=seq, mode=mode, vs=base, theoretical_bytes=theory, measured_bytes=measured,
+                                fraction=measured / theory if measured is not None and theory else None))
+    return out
+
+
+def print_results(rows, saves, cuda, base, title):
+    print(f"\n{title}; {OPTIMIZER_NOTE}; " + ("GPU timings (CUDA events)" if cuda else CPU_LABEL))
+    fb = lambda key: lambda r: fmt_bytes(r[key])  # noqa: E731
+    cols = [("mode", lambda r: r["mode"]), ("seq", lambda r: r["seq"]),
+            ("ms med", lambda r: f"{r['step_ms_median']:.2f}"),
+            ("ms min-max", lambda r: f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}"),
+            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}"))), ("peak dev", fb("peak_device_bytes")),
+            (f"peak/{base}", lambda r: fmt_ratio(r.get(f"peak_vs_{base}"))), ("act dev", fb("act_device_bytes")),
+            ("act host", fb("act_host_bytes")), ("D2H/step", fb("bytes_offloaded_per_step")),
+            ("H2D/step", fb("bytes_prefetched_per_step")),
+            ("host rsv/peak", lambda r: f"{fmt_bytes(r['host_reserved_bytes'])}/{fmt_bytes(r['host_peak_bytes'])}"),
+            ("host allocs", lambda r: r["host_alloc_calls_timed"]),
+            ("wait ms*", lambda r: "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}")]
+    print_table([c[0] for c in cols], [[f(r) for _, f in cols] for r in rows if "step_ms_median" in r])
+    print("* reload wait: compute-stream wait for reloads, in a separate profiled step (GPU only)\n"
+          "  act dev: device bytes held after forward; act host: pool bytes in use after forward\n"
+          "  host rsv/peak: pool bytes reserved / peak in use; host allocs: pool allocations in timed steps")
+    for r in rows:
+        if "step_ms_median" not in r:
+            print(f"{r['mode']} seq={r['seq']}: {r.get('skipped') or r.get('error')}")
+    for s in saves:
+        print(f"saving {s['mode']} vs {s['vs']} @ seq {s['seq']}: theoretical {fmt_bytes(s['theoretical_bytes'])}, "
+              f"measured {fmt_bytes(s['measured_bytes'])}"
+              + (f" ({100 * s['fraction']:.1f}%)" if s["fraction"] is not None else " (no device memory on CPU)"))
+
+
+def plot(rows, a, out_dir, prefix, base):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "step_ms_median" in r]
+    modes = [m for m in MODES + HF_MODES if any(r["mode"] == m for r in rows)]
+    files = []
+
+    def save(fig, name):
+        files.append(os.path.join(out_dir, f"{prefix}_{name}.png"))
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+
+    for key, label, name in [("peak_device_bytes", "peak device memory (GiB)", "peak_memory"),
+                             (f"time_vs_{base}", f"step time / {base}", "time_ratio")]:
+        if not any(r.get(key) for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(9, 4))
+        width = 0.8 / len(a.seq_list)
+        for j, seq in enumerate(a.seq_list):
+            vals = [next((r.get(key) or 0 for r in rows if r["mode"] == m and r["seq"] == seq), 0) for m in modes]
+            vals = [v / 2**30 for v in vals] if key.endswith("bytes") else vals
+            ax.bar([i + j * width for i in range(len(modes))], vals, width, label=f"seq {seq}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.set_title(f"{label}{'' if a.cuda else ' - ' + CPU_LABEL}", fontsize=9)
+        save(fig, name)
+    if len(a.seq_list) > 1:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for m in modes:
+            pts = sorted((r["seq"], r.get(f"time_vs_{base}"), r.get("peak_device_bytes")) for r in rows if r["mode"] == m)
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            if a.cuda:
+                axes[1].plot([p[0] for p in pts], [p[2] / 2**30 for p in pts], marker="o", label=m)
+        if not a.cuda:
+            axes[1].text(0.5, 0.5, "no device memory on CPU", ha="center", transform=axes[1].transAxes)
+        axes[0].set(xlabel="sequence length", ylabel=f"step time / {base}")
+        axes[1].set(xlabel="sequence length", ylabel="peak device memory (GiB)")
+        axes[0].legend(fontsize=7)
+        save(fig, "seq_sweep")
+    return files
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", choices=sorted(CONFIGS), help="small without a GPU, standard with one")
+    for name in ("layers", "hidden", "heads", "kv-heads", "mlp", "batch", "vocab", "warmup", "steps"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--seqs", "--seq-sweep", dest="seqs", help="comma-separated sequence lengths")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-rope", dest="rope", action="store_false")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--min-bytes", type=int, help="offload_activations threshold (1 MiB on GPU, 0 on CPU)")
+    p.add_argument("--hf", action="store_true", help="compare transformers' checkpointing/offload instead")
+    p.add_argument("--hf-every", type=int, default=1, help="every_n_layers for the --hf comparison")
+    p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    a = p.parse_args(argv)
+    a.cuda = torch.cuda.is_available() and ckpt_offload.build_info()["cuda_usable"]
+    for k, v in CONFIGS[a.config or ("standard" if a.cuda else "small")].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.seq_list = [int(s) for s in a.seqs.split(",")]
+    a.mode_list = a.modes.split(",")
+    unknown = set(a.mode_list) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    a.torch_dtype = getattr(torch, a.dtype)
+    a.elem = torch.finfo(a.torch_dtype).bits // 8
+    if a.min_bytes is None:
+        a.min_bytes = 1 << 20 if a.cuda else 0
+    return a
+
+
+def make_ids(a, seq, device):
+    g = torch.Generator().manual_seed(seq)
+    return torch.randint(0, a.vocab, (a.batch, seq), generator=g).to(device)
+
+
+def run_guarded(fn, mode, seq):
+    """Runs one mode; a failure becomes a row that says so (an error other than out of memory is
+    also a failed check), and the next mode still runs."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError as err:
+        error = f"out of memory: {str(err).splitlines()[0]}"
+    except Exception as err:  # noqa: BLE001 - one broken mode must not lose the others' figures
+        traceback.print_exc()
+        error = f"failed: {type(err).__name__}: {err}"
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(mode=mode, seq=seq, error=error), None
+
+
+def run_main(a, device, cuda, bar, t0, result, write):
+    torch.manual_seed(0)
+    model = Decoder(a, device, a.torch_dtype).train()
+    rows, problems, restored = [], [], True
+    for seq in a.seq_list:
+        ids = make_ids(a, seq, device)
+        refs = {}
+        for mode in a.mode_list:
+            bar.set_description(f"{mode} seq={seq}")
+            if a.budget_s and time.monotonic() - t0 > a.budget_s:
+                rows.append(dict(mode=mode, seq=seq, skipped=f"time budget of {a.budget_s:.0f} s spent"))
+            else:
+                row, ref = run_guarded(lambda: measure_mode(model, ids, mode, a, cuda), mode, seq)
+                rows.append(row)
+                if ref is not None:  # a mode that ran out of memory never reached disable_checkpointing
+                    refs[mode] = ref
+                    restored = restored and restored_exactly(model)
+            bar.update(1)
+        problems += [f"seq {seq}: {p}" for p in run_checks([r for r in rows if r["seq"] == seq], refs, "none",
+                                                           BITWISE, cuda, restored)]
+        add_ratios(rows)
+        result.update(rows=rows)
+        write()  # partial results survive a timeout
+    return rows, problems
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    cuda = a.cuda
+    if not cuda:
+        os.environ["CKPT_OFFLOAD_TEST_CPU"] = "1"  # read when a session is created: CPU tensors use the pool
+        torch.set_num_threads(1)  # tiny tensors; extra threads only spin against other processes
+    device = torch.device("cuda" if cuda else "cpu")
+    os.makedirs(a.out, exist_ok=True)
+    prefix = "bench_step_hf" if a.hf else "bench_step"
+    t0 = time.monotonic()
+    result = dict(kind=prefix, note=OPTIMIZER_NOTE, timing=("CUDA events" if cuda else CPU_LABEL),
+                  hardware=hardware_info(),
+                  config={k: v for k, v in vars(a).items() if k not in ("torch_dtype",)})
+    json_path = os.path.join(a.out, prefix + ".json")
+
+    def write():
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    from tqdm import tqdm
+
+    total = len(a.seq_list) * (len(HF_MODES) if a.hf else len(a.mode_list))
+    with tqdm(total=total, file=sys.stderr, leave=False) as bar:
+        if a.hf:
+            rows, problems = run_hf(a, device, cuda, bar)
+            add_ratios(rows, "hf_gc")
+            saves = []
+        else:
+            rows, problems = run_main(a, device, cuda, bar, t0, result, write)
+            saves = savings(rows, a)
+    result.update(rows=rows, savings=saves, problems=problems, elapsed_s=time.monotonic() - t0)
+    result["plots"] = plot(rows, a, a.out, prefix, "hf_gc" if a.hf else "full") if rows else []
+    write()
+    title = (f"transformers LlamaForCausalLM (random weights), every_n_layers={a.hf_every}" if a.hf
+             else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
+    print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title)
+    print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")
+    if problems:
+        print("CHECKS FAILED:\n  " + "\n  ".join(problems))
+        return 3
+    base = "hf_gc" if a.hf else "none"
+    print("checks passed: " + ("losses and gradient fingerprints agree within bf16 tolerance" if cuda else
+                               f"losses and gradients match `{base}` (allclose) and bitwise where expected")
+          + "; no host allocations in timed steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

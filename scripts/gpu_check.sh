@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
+# extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
+# runs under `timeout`; the stage limits add up to TOTAL_S (default 390 s, under 7 minutes).
+#
+# Usage: scripts/gpu_check.sh OUTDIR
+# Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
+#              TOTAL_S (390), MAX_JOBS (nproc).
+set -u
+
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/gpu_check.sh OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+LAYERS=${LAYERS:-8}
+SEQS=${SEQS:-4096,8192}
+TOTAL_S=${TOTAL_S:-390}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# Scripts run as `python benchmarks/x.py` see benchmarks/ first on sys.path; the repository root
+# makes an in-place build importable even where the editable install failed.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+STAGES="$OUT/stages.tsv"
+printf 'stage\trc\telapsed_s\tlimit_s\n' > "$STAGES"
+
+# stage NAME LIMIT_S CMD...: runs CMD under timeout (clipped to what is left of TOTAL_S), output to
+# OUTDIR/NAME.log, and records the exit code; 124 means the stage ran out of time.
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((TOTAL_S - (SECONDS - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 5 ]; then
+    echo "== $name: skipped, no time left"
+    printf '%s\tskipped\t0\t0\n' "$name" >> "$STAGES"
+    return 0
+  fi
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  # bash -c: timeout runs programs, and some stages are the functions exported below.
+  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  echo "   $name: rc=$rc, ${dt}s$([ $rc -eq 124 ] && echo ' (timed out)'); log: $OUT/$name.log"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$limit" >> "$STAGES"
+  return 0
+}
+
+build() {
+  "$PY" -m pip install --no-build-isolation --no-deps -e . || {
+    echo "editable install failed; building in place instead"
+    "$PY" setup.py build_ext --inplace
+  }
+  cd /tmp && "$PY" -c "import ckpt_offload, json; i = ckpt_offload.build_info(); print(json.dumps(i)); \
+assert i['with_cuda'] and i['cuda_usable'], 'the extension cannot use the GPU'"
+}
+
+gpu_tests() {
+  if ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "pytest is not installed: GPU tests not run"
+    return 0
+  fi
+  if ! grep -rqsE 'mark\.gpu|"gpu:' tests/; then
+    echo "no gpu marker in tests/: GPU tests not run"
+    return 0
+  fi
+  "$PY" -m pytest tests -m gpu -q -p no:cacheprovider
+}
+
+summary() {
+  "$PY" - "$OUT" <<'EOF'
+import csv, json, os, sys
+out = sys.argv[1]
+
+def load(path):
+    try:
+        with open(os.path.join(out, path)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        print(f"{path}: not available ({err.__class__.__name__})")
+        return None
+
+def gib(n):
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+def ratio(x):
+    return "n/a" if x is None else f"{x:.3f}"
+
+def table(headers, rows):
+    w = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(headers)]
+    for r in [headers, ["-" * x for x in w]] + rows:
+        print("  ".join(str(c).rjust(x) for c, x in zip(r, w)))
+
+print("\n==================== summary ====================")
+with open(os.path.join(out, "stages.tsv")) as f:
+    table(["stage", "rc", "elapsed s", "limit s"], [list(r.values()) for r in csv.DictReader(f, delimiter="\t")])
+step = load("step/bench_step.json")
+if step:
+    hw = step["hardware"]
+    print(f"\n{hw.get('gpu')} | driver/PCIe {hw.get('gpu_driver')} | torch {hw.get('torch')} | CUDA {hw.get('cuda_runtime')}"
+          f" | build {hw.get('ckpt_offload_build')}")
+    print(f"training step (forward+backward, no optimizer), {step['config']['layers']} layers, "
+          f"hidden {step['config']['hidden']}, {step['config']['dtype']}")
+    table(["mode", "seq", "ms", "t/full", "peak GiB", "peak/full", "host GiB", "wait ms", "allocs"],
+          [[r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", ratio(r.get("time_vs_full")), gib(r["peak_device_bytes"]),
+            ratio(r.get("peak_vs_full")), gib(r["act_host_bytes"]),
+            "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}",
+            r["host_alloc_calls_timed"]] if "step_ms_median" in r else [r["mode"], r["seq"], r.get("error") or r.get("skipped")]
+           + [""] * 6 for r in step["rows"]])
+    for s in step.get("savings", []):
+        print(f"saving {s['mode']} vs {s['vs']} @ {s['seq']}: theoretical {gib(s['theoretical_bytes'])} GiB, "
+              f"measured {gib(s['measured_bytes'])} GiB"
+              + (f" ({100 * s['fraction']:.0f}%)" if s.get("fraction") is not None else ""))
+    print("checks:", "; ".join(step.get("problems") or []) or "passed")
+hf = load("hf/bench_step_hf.json")
+if hf:
+    print("\ntransformers LlamaForCausalLM")
+    table(["mode", "seq", "ms", "t/hf_gc", "peak GiB", "peak/hf_gc"],
+          [[r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", ratio(r.get("time_vs_hf_gc")), gib(r["peak_device_bytes"]),
+            ratio(r.get("peak_vs_hf_gc"))] if "step_ms_median" in r else [r["mode"], r["seq"], r.get("skipped") or r.get("error"), "", "", ""]
+           for r in hf["rows"]])
+    print("checks:", "; ".join(hf.get("problems") or []) or "passed")
+bw = load("bandwidth/bench_bandwidth.json")
+if bw and bw.get("gpu_rows"):
+    rows = bw["gpu_rows"]
+    print("\ncopy bandwidth GB/s (1e9 B/s) by block size; 'both' = D2H + H2D at once")
+    sizes = sorted({r["block_bytes"] for r in rows})
+    cols = [(m, d) for m in ("engine", "torch_pinned", "pageable") for d in ("d2h", "h2d", "both")]
+    get = lambda s, m, d: next((f"{r['gb_per_s']:.1f}" for r in rows if r["block_bytes"] == s and r["method"] == m
+                                and r["direction"] == d), "")
+    short = {"engine": "engine", "torch_pinned": "pinned", "pageable": "pageable"}
+    table(["block MiB"] + [f"{short[m]} {d}" for m, d in cols], [[f"{s / 2**20:g}"] + [get(s, m, d) for m, d in cols] for s in sizes])
+if bw:
+    print("bandwidth checks:", "; ".join(bw.get("problems") or []) or "passed")
+if bw and bw.get("acquire_release"):
+    print("pool acquire+release ns/pair (incl. Python binding):",
+          ", ".join(f"{r['block_bytes'] // 1024} KiB {r['pair_ns']:.0f}" for r in bw["acquire_release"]))
+EOF
+}
+
+export PY OUT
+export -f build gpu_tests summary
+
+echo "ckpt_offload GPU check: output in $OUT, budget ${TOTAL_S}s, layers $LAYERS, seqs $SEQS"
+stage env 15 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'"
+stage build 100 build
+stage tests_gpu 45 gpu_tests
+stage bandwidth 45 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
+stage step 140 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 110 \
+  --out "$OUT/step"
+stage hf 35 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
+stage summary 10 summary
+cat "$OUT/summary.log"
+echo "total: $((SECONDS - START))s"
