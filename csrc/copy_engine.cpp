@@ -208,6 +208,8 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   auto block = pool_->acquire(h->nbytes_, /*wait_host=*/!cuda_);
   if (!block) {
     st_.offloads_refused += 1;
+    h->state_ = HandleState::kReleased;  // nothing to give back when h dies
+    lock.unlock();                       // h's destructor takes this lock
     return nullptr;
   }
 

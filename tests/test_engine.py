@@ -1,0 +1,247 @@
+"""The copy engine: exact round trips for every dtype and layout, handle states, bad input, and on a
+GPU the stream-ordering guarantees (sources kept until copied, blocks reused only after reads)."""
+import gc
+
+import pytest
+import torch
+
+import ckpt_offload
+from conftest import DEVICES, requires_cuda
+
+MiB = 1 << 20
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.float64, torch.int8]
+DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
+
+
+def make(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        t = torch.rand(shape, generator=g) > 0.5
+    elif dtype.is_floating_point:
+        t = (torch.randn(shape, generator=g) * 10).to(dtype)
+    else:
+        t = torch.randint(-100, 100, shape, generator=g).to(dtype)
+    return t.to(device)
+
+
+def same(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.element_size() == 1 and a.dtype.is_floating_point:  # fp8 has no equality kernels everywhere
+        a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def engine(device):
+    if device == "cpu":
+        return ckpt_offload.CopyEngine("cpu", ckpt_offload.HostPool(pinned=False))
+    return ckpt_offload.engine_for(device)
+
+
+def roundtrip(eng, t):
+    h = eng.offload(t)
+    assert h is not None
+    out = eng.fetch(h)
+    assert same(out, t)
+    if not h.compacted:
+        assert out.stride() == t.stride()
+    return h, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roundtrip_dtypes(device, dtype):
+    eng = engine(device)
+    for shape in [(0,), (1,), (3, 0, 2), (7, 5, 3), (1000,)]:
+        t = make(shape, dtype, device)
+        h, _ = roundtrip(eng, t)
+        assert h.nbytes == t.numel() * t.element_size()
+        assert h.state == "fetched"
+    assert eng.pool.stats()["in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_roundtrip_layouts(device):
+    eng = engine(device)
+    base = make((6, 8, 10), torch.float32, device)
+    cases = {
+        "transpose": base.transpose(0, 2),
+        "offset_slice": base[2:5],
+        "gapped_slice": base[:, 1:7:2],
+        "expand": make((6, 1), torch.float32, device).expand(6, 100),
+        "as_strided": base.as_strided((4, 4), (3, 1), 5),
+        "permute": base.permute(2, 0, 1),
+        "scalar": base[1, 2, 3],
+    }
+    for name, t in cases.items():
+        h, out = roundtrip(eng, t)
+        if name == "expand":
+            assert h.nbytes == 6 * 4  # the stride-0 span, not 600 elements
+            assert out.stride() == (1, 0)
+        if name == "gapped_slice":
+            assert h.compacted and out.is_contiguous()
+        else:
+            assert not h.compacted, name
+
+
+def test_roundtrip_large_tensor():
+    eng = engine("cpu")
+    t = torch.arange(64 * MiB, dtype=torch.float32)  # 256 MiB
+    h = eng.offload(t)
+    assert h.nbytes == 256 * MiB
+    assert torch.equal(eng.fetch(h), t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_handle_states_and_idempotent_prefetch(device):
+    eng = engine(device)
+    t = make((128,), torch.float32, device)
+    h = eng.offload(t)
+    assert h.state in ("offloading", "on_host")
+    eng.synchronize()
+    assert h.state == "on_host"
+    assert h.host_bytes() is not None and h.host_bytes().numel() == 512
+    eng.prefetch(h)
+    eng.prefetch(h)  # idempotent
+    assert h.state == "prefetching"
+    assert eng.stats()["tensors_prefetched"] == 1
+    assert same(eng.fetch(h), t)
+    assert h.state == "fetched" and h.host_bytes() is None
+    with pytest.raises(RuntimeError, match="already fetched"):
+        eng.fetch(h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_release_without_fetch_returns_everything(device):
+    eng = engine(device)
+    hs = [eng.offload(make((1024,), torch.float32, device, i)) for i in range(4)]
+    eng.prefetch(hs[1])
+    eng.release(hs[0])
+    eng.release(hs[0])  # idempotent
+    eng.release(hs[1])
+    assert hs[0].state == "released"
+    with pytest.raises(RuntimeError, match="released"):
+        eng.fetch(hs[0])
+    with pytest.raises(RuntimeError, match="released"):
+        eng.prefetch(hs[1])
+    del hs  # dropping a handle releases it too
+    gc.collect()
+    eng.synchronize()
+    assert eng.pool.stats()["in_use_bytes"] == 0
+    assert eng.stats()["tensors_released"] == 4
+    assert eng.stats()["pending_sources"] == 0
+
+
+def test_statistics_count_bytes_each_way():
+    eng = engine("cpu")
+    a, b = torch.ones(100), torch.ones(50, dtype=torch.float64)
+    ha, hb = eng.offload(a), eng.offload(b)
+    eng.fetch(ha)
+    s = eng.stats()
+    assert s["tensors_offloaded"] == 2 and s["bytes_offloaded"] == 400 + 400
+    assert s["tensors_prefetched"] == 1 and s["bytes_prefetched"] == 400
+    del hb
+
+
+def test_bad_input_is_a_clear_error():
+    eng = engine("cpu")
+    with pytest.raises(ValueError, match="strided"):
+        eng.offload(torch.eye(3).to_sparse())
+    with pytest.raises(ValueError, match="meta"):
+        eng.offload(torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="nested"):
+        eng.offload(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged))
+    with pytest.raises(TypeError):
+        eng.offload([1, 2, 3])
+    with pytest.raises(ValueError, match="handle is None"):
+        eng.fetch(None)
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        ckpt_offload.CopyEngine("meta")
+    other = engine("cpu")
+    h = other.offload(torch.ones(3))
+    with pytest.raises(ValueError, match="another engine"):
+        eng.fetch(h)
+
+
+def test_cap_refusal_returns_none():
+    pool = ckpt_offload.HostPool(pinned=False)
+    pool.set_capacity(MiB)
+    eng = ckpt_offload.CopyEngine("cpu", pool)
+    assert eng.offload(torch.ones(MiB)) is None  # 4 MiB > cap
+    assert eng.stats()["offloads_refused"] == 1 and pool.stats()["cap_refusals"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: ordering guarantees that only real streams can break.
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_source_dropped_while_compute_busy_still_roundtrips():
+    eng = ckpt_offload.engine_for("cuda")
+    n = 4 * MiB
+    for rep in range(30):
+        handles, expected = [], []
+        for i in range(4):
+            torch.cuda._sleep(2_000_000)  # the tensor is produced late on the compute stream
+            x = torch.arange(n, device="cuda", dtype=torch.float32).add_(rep * 10 + i)
+            handles.append(eng.offload(x))
+            expected.append(rep * 10 + i)
+            del x
+            # Memory freed too early would be handed to this allocation and overwritten.
+            torch.empty(n, device="cuda").fill_(-1.0)
+        for h, offset in zip(handles, expected):
+            out = eng.fetch(h)
+            ref = torch.arange(n, device="cuda", dtype=torch.float32).add_(offset)
+            assert torch.equal(out, ref), (rep, offset)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_reused_block_waits_for_pending_reload():
+    eng = ckpt_offload.engine_for("cuda")
+    n = 8 * MiB
+    x1 = torch.full((n,), 1.0, device="cuda")
+    h1 = eng.offload(x1)
+    eng.synchronize()
+    torch.cuda._sleep(50_000_000)  # delays the reload: it waits for the allocation point
+    out1 = eng.fetch(h1)  # the block returns to the pool while its reload may still be queued
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # an idle stream: this offload is ready at once
+        x2 = torch.full((n,), 2.0, device="cuda")
+        h2 = eng.offload(x2)  # same size class: gets the block the reload still reads
+    torch.cuda.synchronize()
+    assert torch.equal(out1, torch.full_like(out1, 1.0))
+    assert torch.equal(eng.fetch(h2), torch.full_like(x2, 2.0))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_no_host_allocation_after_warmup():
+    eng = ckpt_offload.engine_for("cuda")
+    sizes = [3 * MiB, 3 * MiB, 5 * MiB, MiB]
+    for step in range(10):
+        hs = [eng.offload(torch.randn(n // 4, device="cuda")) for n in sizes]
+        for h in reversed(hs):
+            eng.fetch(h)
+        if step == 0:
+            torch.cuda.synchronize()
+            allocs = eng.pool.stats()["alloc_calls"]
+    torch.cuda.synchronize()
+    assert eng.pool.stats()["alloc_calls"] == allocs
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_second_device_uses_its_own_engine():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x = torch.randn(1000, device="cuda:1")
+    eng1 = ckpt_offload.engine_for("cuda:1")
+    with torch.cuda.device(0):
+        h = eng1.offload(x)
+        out = eng1.fetch(h)
+    assert out.device == torch.device("cuda:1") and torch.equal(out, x)
+    with pytest.raises(ValueError, match="given to the engine of"):
+        ckpt_offload.engine_for("cuda:0").offload(x)

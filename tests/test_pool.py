@@ -1,0 +1,195 @@
+"""The host buffer pool: size classes, reuse without new allocations, the waste bound, the cap,
+empty_cache, concurrency and bad input."""
+import random
+import threading
+
+import pytest
+
+import ckpt_offload
+from conftest import HAS_CUDA, requires_cuda
+
+MiB = 1 << 20
+
+
+def test_round_size_classes_waste_little():
+    assert ckpt_offload.HostPool.round_size(0) == 512
+    assert ckpt_offload.HostPool.round_size(1) == 512
+    assert ckpt_offload.HostPool.round_size(513) == 1024
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randrange(8 * 1024 + 1, 1 << 31)
+        c = ckpt_offload.HostPool.round_size(n)
+        assert n <= c <= n * 1.0625, (n, c)
+    # Powers of two are their own class: no waste where activations usually land.
+    for k in range(13, 31):
+        assert ckpt_offload.HostPool.round_size(1 << k) == 1 << k
+
+
+def test_reuse_makes_no_new_allocation():
+    pool = ckpt_offload.HostPool(pinned=False)
+    b = pool.acquire(3 * MiB)
+    assert b.size == 3 * MiB and b.capacity >= 3 * MiB
+    del b
+    s = pool.stats()
+    assert (s["alloc_calls"], s["misses"], s["in_use_bytes"]) == (1, 1, 0)
+    for _ in range(10):
+        b = pool.acquire(3 * MiB - 100)  # same class
+        del b
+    s = pool.stats()
+    assert s["alloc_calls"] == 1 and s["hits"] == 10
+    assert s["reserved_bytes"] == ckpt_offload.HostPool.round_size(3 * MiB)
+
+
+def test_block_tensor_keeps_memory_until_dropped():
+    pool = ckpt_offload.HostPool(pinned=False)
+    b = pool.acquire(4096)
+    t = b.tensor()
+    t.fill_(7)
+    del b
+    assert pool.stats()["in_use_bytes"] == 4096  # the tensor still owns the block
+    assert int(t.sum()) == 7 * 4096
+    del t
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_waste_bound_over_random_sequences():
+    # Reserved host bytes stay within 1.1x of the peak bytes in use, whatever the size sequence.
+    for seed in range(5):
+        rng = random.Random(seed)
+        pool = ckpt_offload.HostPool(pinned=False)
+        live = []
+        for _ in range(400):
+            if live and rng.random() < 0.45:
+                live.pop(rng.randrange(len(live)))
+            else:
+                live.append(pool.acquire(rng.randrange(64 * 1024, 8 * MiB)))
+            s = pool.stats()
+            assert s["reserved_bytes"] <= 1.1 * s["peak_in_use_bytes"] + 1, (seed, s)
+        live.clear()
+        assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_steady_state_sequence_allocates_once():
+    pool = ckpt_offload.HostPool(pinned=False)
+    sizes = [5 * MiB, 5 * MiB, 2 * MiB, 700 * 1024, 5 * MiB]
+    for step in range(5):
+        blocks = [pool.acquire(n) for n in sizes]
+        if step == 0:
+            first = pool.stats()["alloc_calls"]
+        blocks.clear()
+    assert pool.stats()["alloc_calls"] == first == len(sizes)
+
+
+def test_cap_refuses_and_counts():
+    pool = ckpt_offload.HostPool(pinned=False)
+    pool.set_capacity(3 * MiB)
+    a = pool.acquire(2 * MiB)
+    assert a is not None
+    assert pool.acquire(2 * MiB) is None
+    s = pool.stats()
+    assert s["cap_refusals"] == 1 and s["reserved_bytes"] <= 3 * MiB and s["capacity_bytes"] == 3 * MiB
+    # A free block is evicted to make room under the cap rather than refusing.
+    del a
+    b = pool.acquire(2 * MiB + 4096)
+    assert b is not None and pool.stats()["reserved_bytes"] <= 3 * MiB
+    pool.set_capacity(0)
+    assert pool.acquire(8 * MiB) is not None
+
+
+def test_empty_cache_frees_unused_blocks():
+    pool = ckpt_offload.HostPool(pinned=False)
+    keep = pool.acquire(MiB)
+    tmp = [pool.acquire(2 * MiB) for _ in range(3)]
+    tmp.clear()
+    freed = pool.empty_cache()
+    s = pool.stats()
+    assert freed == 3 * 2 * MiB
+    assert s["reserved_bytes"] == MiB and s["free_calls"] == 3 and s["blocks_reserved"] == 1
+    del keep
+
+
+def test_reserve_preallocates():
+    pool = ckpt_offload.HostPool(pinned=False)
+    pool.reserve(4 * MiB, count=2)
+    s = pool.stats()
+    assert s["alloc_calls"] == 2 and s["reserved_bytes"] == 8 * MiB
+    a, b = pool.acquire(4 * MiB), pool.acquire(4 * MiB)
+    assert pool.stats()["alloc_calls"] == 2 and pool.stats()["hits"] == 2
+    pool.set_capacity(8 * MiB)
+    with pytest.raises(RuntimeError, match="capacity"):
+        pool.reserve(MiB)
+    del a, b
+
+
+def test_injected_allocation_failure_is_soft():
+    pool = ckpt_offload.HostPool(pinned=False)
+    pool.inject_alloc_failures(1)
+    assert pool.acquire(MiB) is None
+    assert pool.stats()["alloc_failures"] == 1
+    assert pool.acquire(MiB) is not None  # the next one works
+
+
+def test_threads_keep_statistics_exact():
+    pool = ckpt_offload.HostPool(pinned=False)
+    n_threads, n_iter = 4, 300
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            held = []
+            for _ in range(n_iter):
+                held.append(pool.acquire(rng.choice([64 * 1024, 256 * 1024, MiB])))
+                if len(held) > 3:
+                    held.pop(0)
+            held.clear()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    s = pool.stats()
+    assert s["in_use_bytes"] == 0 and s["blocks_in_use"] == 0
+    assert s["hits"] + s["misses"] == n_threads * n_iter
+    assert s["blocks_reserved"] == s["alloc_calls"] - s["free_calls"]
+
+
+@pytest.mark.parametrize("bad", [-1, -(1 << 40)])
+def test_negative_sizes_are_value_errors(bad):
+    pool = ckpt_offload.HostPool(pinned=False)
+    for call in (pool.acquire, pool.reserve, pool.set_capacity, ckpt_offload.HostPool.round_size):
+        with pytest.raises(ValueError, match="non-negative"):
+            call(bad)
+
+
+def test_non_integer_size_is_type_error():
+    pool = ckpt_offload.HostPool(pinned=False)
+    with pytest.raises(TypeError):
+        pool.acquire("1024")
+
+
+def test_pinned_pool_needs_cuda_and_says_why():
+    if HAS_CUDA:
+        assert ckpt_offload.HostPool(pinned=True).pinned
+        assert ckpt_offload.host_pool().pinned is True
+    else:
+        with pytest.raises(ValueError, match=r"pinned=True\) needs a CUDA build"):
+            ckpt_offload.HostPool(pinned=True)
+        assert ckpt_offload.host_pool().pinned is False
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_global_pool_is_pinned_on_gpu():
+    import torch
+
+    pool = ckpt_offload.host_pool()
+    assert pool.pinned
+    b = pool.acquire(MiB)
+    assert b.tensor().is_pinned()
+    del b
+    assert torch.cuda.is_available()
