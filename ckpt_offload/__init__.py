@@ -7,7 +7,7 @@ from ._loader import load as _load
 
 _C = _load()
 
-from .checkpoint import checkpoint  # noqa: E402
+from .checkpointing import checkpoint  # noqa: E402
 from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
 from .hooks import OffloadSession, offload_activations  # noqa: E402
 from .model import checkpointing_state, disable_checkpointing, enable_checkpointing, find_repeated_blocks  # noqa: E402

@@ -86,7 +86,9 @@ class OffloadSession:
         # are never offloaded: nothing is freed by copying them, or there is no data to copy.
         if type(t) is not torch.Tensor:
             return False
-        if t.is_leaf and t.requires_grad:
+        if self._track_modules and t.is_leaf and t.requires_grad:
+            # Around a whole forward, a leaf that needs grad is a weight held elsewhere: copying it
+            # frees nothing. A checkpoint's own positional inputs are always offloaded.
             return False
         dev = t.device.type
         if dev != "cuda" and not (dev == "cpu" and self.test_cpu):
@@ -107,10 +109,10 @@ class OffloadSession:
         if self.keep_last > 0:
             # The newest keep_last candidates wait on the device; the oldest of them goes now.
             self._deferred.append(packed)
-            if len(self._deferred) <= self.keep_last:
-                return packed
-            packed = self._deferred.pop(0)
-        self._send(packed)
+            if len(self._deferred) > self.keep_last:
+                self._send(self._deferred.pop(0))
+        else:
+            self._send(packed)
         return packed
 
     def unpack(self, packed):

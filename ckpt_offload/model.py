@@ -7,7 +7,7 @@ import sys
 import torch
 from torch import nn
 
-from .checkpoint import run_checkpoint, warn_kwarg_tensors
+from .checkpointing import run_checkpoint, warn_kwarg_tensors
 from .hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_state"

@@ -18,7 +18,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
     ) from err
 
-from ..checkpoint import run_checkpoint
+from ..checkpointing import run_checkpoint
 from ..hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_hf"

@@ -1,0 +1,459 @@
+"""The user-facing API: checkpoint(), enable_checkpointing(), offload_activations(), prefetch,
+gradient accumulation. Gradients are compared with the unmodified model (allclose) and with
+plain checkpointing (bitwise); every tensor really goes through the pool (test path on the CPU)."""
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+
+import ckpt_offload
+from conftest import DEVICES, requires_cuda
+from tiny_gpt import grads, loss_of, make_batch, make_model
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+B, S, H, L = 2, 16, 32, 6
+INPUT_BYTES = B * S * H * 4  # one block input, float32
+
+
+def reference_grads(device="cpu", every_n=None, ids=None):
+    """Gradients of the unmodified model, or of plain torch checkpointing every n-th block."""
+    model = make_model(device=device)
+    ids = make_batch(device=device) if ids is None else ids
+    if every_n is not None:
+        ckpt_offload.enable_checkpointing(model, every_n_layers=every_n, offload=False)
+    loss = loss_of(model, ids)
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def assert_close(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_is_bitwise_torch_checkpoint(device):
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    y = torch.randn(8, 64, device=device, requires_grad=True)
+
+    def fn(a, b):
+        return lin(a * b).sum(0)
+
+    ref = tuc.checkpoint(fn, x, y, use_reentrant=False)
+    ref.sum().backward()
+    ref_grads = [x.grad.clone(), y.grad.clone()] + [p.grad.clone() for p in lin.parameters()]
+    for t in [x, y, *lin.parameters()]:
+        t.grad = None
+
+    session = ckpt_offload.OffloadSession()
+    out = ckpt_offload.checkpoint(fn, x, y, session=session)
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 2 and s["bytes_offloaded"] == 2 * 8 * 64 * 4  # the two inputs
+    out.sum().backward()
+    got = [x.grad, y.grad] + [p.grad for p in lin.parameters()]
+    assert torch.equal(out, ref)
+    for a, b in zip(got, ref_grads):
+        assert torch.equal(a, b)
+    s = ckpt_offload.stats()
+    assert s["tensors_fetched"] == 2 and s["host_in_use_bytes"] == 0
+
+
+def test_checkpoint_offload_false_moves_nothing():
+    x = torch.randn(4, 4, requires_grad=True)
+    ckpt_offload.checkpoint(torch.sin, x, offload=False).sum().backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == 0
+    assert torch.equal(x.grad, torch.cos(x))
+
+
+def test_checkpoint_warns_once_for_keyword_tensors(monkeypatch):
+    import ckpt_offload.checkpointing as ck
+
+    monkeypatch.setattr(ck, "_kwarg_warned", False)
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="keyword 'w' requires grad but is not offloaded"):
+        ckpt_offload.checkpoint(lambda a, w: a * w, x, w=w, session=ckpt_offload.OffloadSession()).sum().backward()
+    assert torch.equal(w.grad, x.detach())  # closure/keyword gradients still flow
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt_offload.checkpoint(lambda a, w: a * w, x, w=w, session=ckpt_offload.OffloadSession())
+
+
+def test_checkpoint_rejects_reentrant_and_bad_arguments():
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        ckpt_offload.checkpoint(torch.sin, torch.ones(1), use_reentrant=True)
+    with pytest.raises(TypeError, match="function must be callable"):
+        ckpt_offload.checkpoint(3, torch.ones(1))
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        ckpt_offload.checkpoint(torch.sin, torch.ones(1), offload="yes")
+
+
+# ---------------------------------------------------------------------------------------------
+# enable_checkpointing()
+
+
+@pytest.mark.parametrize("every_n,expected", [(1, [0, 1, 2, 3, 4, 5]), (2, [0, 2, 4]), (3, [0, 3])])
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_enable_checkpointing_gradients(device, every_n, expected, offload):
+    ids = make_batch(device=device)
+    _, unmodified = reference_grads(device, ids=ids)
+    _, plain = reference_grads(device, every_n=every_n, ids=ids)
+    ckpt_offload.reset_stats()
+
+    model = make_model(device=device)
+    idx = ckpt_offload.enable_checkpointing(model, every_n_layers=every_n, offload=offload, keep_last=1)
+    assert idx == expected
+    loss_of(model, ids).backward()
+    got = grads(model)
+    assert_bitwise(got, plain)
+    assert_close(got, unmodified)
+    s = ckpt_offload.stats()
+    offloaded = len(expected) - 1 if offload else 0  # keep_last=1 stays on the device
+    assert s["tensors_offloaded"] == offloaded
+    assert s["bytes_offloaded"] == offloaded * INPUT_BYTES
+    assert s["bytes_prefetched"] == offloaded * INPUT_BYTES
+    assert s["host_in_use_bytes"] == 0
+    assert ckpt_offload.checkpointing_state(model) == (expected, expected[: len(expected) - 1] if offload else [])
+
+
+def test_keep_last_zero_offloads_every_checkpointed_layer():
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+    loss_of(model, make_batch()).backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == L * INPUT_BYTES
+
+
+def test_forward_releases_sources_and_host_holds_the_inputs():
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    loss = loss_of(model, make_batch())
+    s = ckpt_offload.stats()
+    assert s["host_in_use_bytes"] == (L - 1) * INPUT_BYTES
+    assert s["pending_sources"] == 0  # host copies are synchronous: nothing left to poll
+    loss.backward()
+    assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+
+
+def test_gradient_accumulation_matches():
+    ids = [make_batch(seed=s) for s in (1, 2, 3)]
+    ref = make_model()
+    ckpt_offload.enable_checkpointing(ref, every_n_layers=2, offload=False)
+    for x in ids:
+        loss_of(ref, x).backward()
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True, keep_last=1)
+    for x in ids:  # one backward per micro-batch, accumulated
+        loss_of(model, x).backward()
+    assert_bitwise(grads(model), grads(ref))
+
+    # Several forwards, then one backward.
+    ref2, model2 = make_model(), make_model()
+    ckpt_offload.enable_checkpointing(ref2, every_n_layers=2, offload=False)
+    ckpt_offload.enable_checkpointing(model2, every_n_layers=2, offload=True, keep_last=1)
+    sum(loss_of(ref2, x) for x in ids).backward()
+    sum(loss_of(model2, x) for x in ids).backward()
+    assert_bitwise(grads(model2), grads(ref2))
+    assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+
+
+def test_retain_graph_second_backward():
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    loss = loss_of(model, make_batch())
+    loss.backward(retain_graph=True)
+    first = grads(model)
+    loss.backward()
+    for k, g in grads(model).items():
+        torch.testing.assert_close(g, 2 * first[k])
+
+
+def test_no_grad_and_inference_mode_are_noops():
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, offload=True)
+    with torch.no_grad():
+        a = model(make_batch())
+    with torch.inference_mode():
+        b = model(make_batch())
+    assert torch.equal(a, b)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+
+
+def test_autocast_bf16_matches_plain_checkpointing():
+    ids = make_batch()
+    out = {}
+    for offload in (False, True):
+        model = make_model()
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=offload, keep_last=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, ids)
+        loss.backward()
+        out[offload] = grads(model)
+    assert_bitwise(out[True], out[False])
+    assert ckpt_offload.stats()["bytes_offloaded"] > 0
+
+
+def test_disable_restores_the_model_exactly():
+    model = make_model()
+    ids = make_batch()
+    before = model(ids)
+    forwards = [type(b).forward for b in model.blocks]
+    ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True)
+    assert all("forward" in b.__dict__ for b in model.blocks[::2])
+    ckpt_offload.disable_checkpointing(model)
+    assert not any("forward" in b.__dict__ for b in model.blocks)
+    assert not model._forward_hooks and ckpt_offload.checkpointing_state(model) is None
+    assert [type(b).forward for b in model.blocks] == forwards
+    assert torch.equal(model(ids), before)
+    ckpt_offload.disable_checkpointing(model)  # no-op when not enabled
+
+
+def test_enable_twice_reconfigures():
+    model = make_model()
+    assert ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True) == [0, 2, 4]
+    assert ckpt_offload.enable_checkpointing(model, every_n_layers=3) == [0, 3]
+    assert [("forward" in b.__dict__) for b in model.blocks] == [True, False, False, True, False, False]
+    loss_of(model, make_batch()).backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == 0  # the second call has offload off
+    assert len(model._forward_hooks) == 0
+
+
+def test_a_user_instance_forward_is_kept():
+    model = make_model()
+    block = model.blocks[0]
+    calls = []
+    original = block.forward
+
+    def traced(x):
+        calls.append(1)
+        return original(x)
+
+    block.forward = traced
+    ckpt_offload.enable_checkpointing(model, offload=True)
+    loss_of(model, make_batch()).backward()
+    assert len(calls) == 2  # forward and recompute
+    ckpt_offload.disable_checkpointing(model)
+    assert block.forward is traced
+
+
+def test_explicit_layers_and_errors():
+    model = make_model()
+    assert ckpt_offload.enable_checkpointing(model, layers=[model.blocks[1], model.blocks[4]], offload=True, keep_last=0) == [0, 1]
+    loss_of(model, make_batch()).backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * INPUT_BYTES
+    with pytest.raises(ValueError, match=r"no repeated blocks found in Linear: searched for transformers"):
+        ckpt_offload.enable_checkpointing(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ckpt_offload.enable_checkpointing("model")
+    with pytest.raises(TypeError, match=r"layers\[0\] must be an nn.Module"):
+        ckpt_offload.enable_checkpointing(model, layers=[3])
+    with pytest.raises(ValueError, match="every_n_layers must be an int >= 1, got 0"):
+        ckpt_offload.enable_checkpointing(model, every_n_layers=0)
+    with pytest.raises(TypeError, match="every_n_layers must be an int >= 1"):
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2.0)
+    with pytest.raises(ValueError, match="keep_last=4 is larger than the 3 checkpointed layers"):
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True, keep_last=4)
+
+
+def test_find_repeated_blocks_picks_longest_run():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            self.body = torch.nn.ModuleList([torch.nn.ReLU(), *[torch.nn.Linear(2, 2) for _ in range(3)], torch.nn.Tanh()])
+
+    m = M()
+    assert ckpt_offload.find_repeated_blocks(m) == list(m.body[1:4])
+    assert ckpt_offload.find_repeated_blocks(torch.nn.Linear(2, 2)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# offload_activations() and prefetch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_activations_context(device):
+    ids = make_batch(device=device)
+    _, unmodified = reference_grads(device, ids=ids)
+    ckpt_offload.reset_stats()
+    model = make_model(device=device)
+    with ckpt_offload.offload_activations(min_bytes=1024):
+        loss = loss_of(model, ids)
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] > 10 and s["host_in_use_bytes"] == s["bytes_offloaded"]
+    loss.backward()
+    assert_bitwise(grads(model), unmodified)
+    s = ckpt_offload.stats()
+    assert s["host_in_use_bytes"] == 0 and s["tensors_fetched"] == s["tensors_offloaded"]
+
+
+def test_offload_activations_never_moves_parameters_or_small_tensors():
+    lin = torch.nn.Linear(256, 256)  # weight: 256 KiB, well above min_bytes
+    leaf = torch.randn(4, 256, requires_grad=True)
+    x = leaf * 1  # an activation; the leaf itself is held by the caller and never moved
+    with ckpt_offload.offload_activations(min_bytes=1024):
+        y = lin(x)
+    s = ckpt_offload.stats()
+    assert s["bytes_offloaded"] == 4 * 256 * 4  # only x (the saved input); not the weight
+    y.sum().backward()
+    with ckpt_offload.offload_activations(min_bytes=1 << 30):
+        lin(leaf * 1).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1
+
+
+def test_offload_activations_keep_last_and_shared_storage():
+    x = torch.randn(64, 64, requires_grad=True)
+    with ckpt_offload.offload_activations(min_bytes=0, keep_last=1):  # x is a leaf: never moved
+        a = x.exp()  # saves its result
+        b = a * a  # saves a twice: one copy
+        c = b.sin()  # saves b: the last one, kept on the device
+    s = ckpt_offload.stats()
+    assert s["bytes_offloaded"] == 64 * 64 * 4 and s["shared_views"] == 2
+    c.sum().backward()
+    expected = torch.autograd.grad((x.exp() ** 2).sin().sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
+def test_offload_activations_argument_errors():
+    with pytest.raises(ValueError, match="min_bytes must be an int >= 0, got -1"):
+        ckpt_offload.offload_activations(min_bytes=-1)
+    with pytest.raises(TypeError, match="keep_last must be an int"):
+        ckpt_offload.offload_activations(keep_last="2")
+    ctx = ckpt_offload.offload_activations()
+    with ctx:
+        with pytest.raises(RuntimeError, match="already active"):
+            ctx.__enter__()
+
+
+def _packed_session(n, prefetch, prefetch_bytes=None):
+    session = ckpt_offload.OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    xs = [torch.full((256,), float(i)) * 1 for i in range(n)]  # non-leaf, 1 KiB each
+    return session, xs, [session.pack(x) for x in xs]
+
+
+def test_prefetch_depth_in_layers():
+    session, xs, packed = _packed_session(6, prefetch=2)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 6
+    out = session.unpack(packed[5])  # backward starts with the newest
+    assert torch.equal(out, xs[5])
+    states = [p.record.handle.state if p.record.handle is not None else "fetched" for p in packed]
+    assert states == ["on_host", "on_host", "on_host", "prefetching", "prefetching", "fetched"]
+    session.unpack(packed[4])  # keeps two in flight: 3 (already) and 2 (new)
+    assert ckpt_offload.stats()["tensors_prefetched"] == 4
+    for i in (3, 2, 1, 0):
+        assert torch.equal(session.unpack(packed[i]), xs[i])
+    assert ckpt_offload.stats()["tensors_prefetched"] == 6
+
+
+def test_prefetch_depth_in_bytes():
+    session, xs, packed = _packed_session(6, prefetch=10, prefetch_bytes=2048)
+    session.unpack(packed[5])
+    assert ckpt_offload.stats()["tensors_prefetched"] == 3  # itself + 2 KiB ahead
+    session2, _, packed2 = _packed_session(3, prefetch=0)
+    session2.unpack(packed2[2])
+    assert ckpt_offload.stats()["tensors_prefetched"] == 4  # prefetch=0: only on demand
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _gpu_model(layers=4, hidden=256):
+    return make_model(device="cuda", hidden=hidden, heads=4, layers=layers, max_len=512)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_memory_after_forward_drops_by_offloaded_bytes():
+    ids = make_batch(device="cuda", batch=4, seq=512)
+    used = {}
+    for offload in (False, True):
+        model = _gpu_model(layers=6)
+        ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        ckpt_offload.reset_stats()
+        loss = loss_of(model, ids)
+        ckpt_offload.synchronize()  # copies done, sources dropped
+        used[offload] = torch.cuda.memory_allocated() - base
+        moved = ckpt_offload.stats()["bytes_offloaded"]
+        loss.backward()
+        del loss, model
+    assert moved == 5 * 4 * 512 * 256 * 4
+    assert used[False] - used[True] == moved
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_bitwise_over_many_steps_with_busy_stream():
+    ids = make_batch(device="cuda", batch=4, seq=256)
+    ref = _gpu_model()
+    ckpt_offload.enable_checkpointing(ref, offload=False)
+    loss_of(ref, ids).backward()
+    expected = grads(ref)
+    model = _gpu_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    for step in range(50):
+        model.zero_grad(set_to_none=True)
+        torch.cuda._sleep(1_000_000)  # the compute stream lags far behind the host
+        loss = loss_of(model, ids)
+        torch.cuda._sleep(1_000_000)
+        loss.backward()
+        got = grads(model)
+        for k in expected:
+            assert torch.equal(got[k], expected[k]), (step, k)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_forward_under_user_stream():
+    ids = make_batch(device="cuda", batch=2, seq=128)
+    ref = _gpu_model()
+    ckpt_offload.enable_checkpointing(ref, offload=False)
+    loss_of(ref, ids).backward()
+    model = _gpu_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        loss = loss_of(model, ids)
+        loss.backward()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    got, expected = grads(model), grads(ref)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_steady_state_step_has_no_host_sync():
+    ids = make_batch(device="cuda", batch=2, seq=128)
+    model = _gpu_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    for _ in range(3):
+        loss_of(model, ids).backward()
+    torch.cuda.synchronize()
+    allocs = ckpt_offload.stats()["host_alloc_calls"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(ids).float().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert ckpt_offload.stats()["host_alloc_calls"] == allocs
