@@ -52,13 +52,28 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _State:
-    def __init__(self, layers, checkpointed, offloaded, session, saved_forwards, hook):
+    def __init__(self, layers, checkpointed, offloaded, session, saved_attrs, hook):
         self.layers = layers
         self.checkpointed = checkpointed
         self.offloaded = offloaded
         self.session = session
-        self.saved_forwards = saved_forwards  # module -> instance 'forward' it had, or None
+        self.saved_attrs = saved_attrs  # [(module, name, previous instance value or _MISSING)]
         self.hook = hook
+
+
+_MISSING = object()
+
+
+def _set(saved, module, name, value):
+    saved.append((module, name, module.__dict__.get(name, _MISSING)))
+    setattr(module, name, value)
+
+
+def _hf_checkpoint_func(session):
+    def func(function, *args, **kwargs):
+        return run_checkpoint(session, function, args, kwargs)
+
+    return func
 
 
 def _wrap(module: nn.Module, session):
@@ -119,7 +134,8 @@ def enable_checkpointing(
             if not isinstance(b, nn.Module):
                 raise TypeError(f"enable_checkpointing: layers[{i}] must be an nn.Module, got {type(b).__name__}")
     gc_cls = _gc_layer_class()
-    if gc_cls is not None and any(isinstance(b, gc_cls) and b.gradient_checkpointing for b in blocks):
+    ours = _STATE_ATTR in model.__dict__
+    if not ours and gc_cls is not None and any(isinstance(b, gc_cls) and b.gradient_checkpointing for b in blocks):
         raise ValueError(
             "enable_checkpointing: transformers' own gradient checkpointing is on for this model; call "
             "model.gradient_checkpointing_disable() first, or use ckpt_offload.integrations.hf.enable(model, ...)"
@@ -135,11 +151,19 @@ def enable_checkpointing(
 
     disable_checkpointing(model)
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloaded else None
-    saved = {}
-    for i in checkpointed:
-        block = blocks[i]
-        saved[block] = block.__dict__.get("forward")
-        block.forward = _wrap(block, session if i in offloaded else None)
+    saved = []
+    if gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks):
+        # transformers layers checkpoint themselves through their own __call__, which also turns
+        # off the KV cache that a recompute would update twice: use that path, with our function.
+        for m in model.modules():
+            if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
+                _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
+        for i in checkpointed:
+            _set(saved, blocks[i], "gradient_checkpointing", True)
+            _set(saved, blocks[i], "_gradient_checkpointing_func", _hf_checkpoint_func(session if i in offloaded else None))
+    else:
+        for i in checkpointed:
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session if i in offloaded else None))
     # After each forward, drop the sources whose copies to host have finished.
     hook = model.register_forward_hook(lambda *_: session.poll()) if session is not None else None
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hook))
@@ -153,11 +177,11 @@ def disable_checkpointing(model: nn.Module) -> None:
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return
-    for block, previous in state.saved_forwards.items():
-        if previous is None:
-            del block.forward
+    for module, name, previous in reversed(state.saved_attrs):
+        if previous is _MISSING:
+            delattr(module, name)
         else:
-            block.forward = previous
+            setattr(module, name, previous)
     if state.hook is not None:
         state.hook.remove()
 

@@ -1,0 +1,177 @@
+"""transformers integration on tiny models built from configs (no downloads): the same layers as
+transformers' own every_n_layers, the same gradients as its save_on_cpu offload, and a Trainer run."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
+
+import ckpt_offload  # noqa: E402
+from ckpt_offload.integrations import hf  # noqa: E402
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+B, S, H, LAYERS = 2, 16, 32, 6
+
+
+def tiny(arch, seed=0):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )
+    else:
+        cfg = transformers.GPT2Config(
+            vocab_size=128, n_embd=H, n_layer=LAYERS, n_head=4, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    return model
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (B, S), generator=g)
+
+
+def step(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def marked(model):
+    return [i for i, m in enumerate(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)) if m.gradient_checkpointing]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("every_n", [1, 2, 3])
+def test_same_layers_as_transformers(arch, every_n):
+    theirs = tiny(arch)
+    theirs.gradient_checkpointing_enable(every_n_layers=every_n)
+    ours = tiny(arch)
+    idx = hf.enable(ours, every_n_layers=every_n, offload=True)
+    assert idx == marked(theirs) == marked(ours) == list(range(0, LAYERS, every_n))
+    plain = tiny(arch)
+    assert ckpt_offload.enable_checkpointing(plain, every_n_layers=every_n) == idx  # finds the same blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("every_n", [1, 2])
+def test_gradients_match_transformers_offload(arch, every_n):
+    ids = batch()
+    theirs = tiny(arch)
+    theirs.gradient_checkpointing_enable(every_n_layers=every_n, offload=True)
+    ref_loss, ref = step(theirs, ids)
+    ckpt_offload.reset_stats()
+
+    ours = tiny(arch)
+    idx = hf.enable(ours, every_n_layers=every_n, offload=True, keep_last=1)
+    loss, got = step(ours, ids)
+    assert torch.equal(loss, ref_loss)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    s = ckpt_offload.stats()
+    hidden_bytes = (len(idx) - 1) * B * S * H * 4
+    if arch == "llama":
+        assert s["tensors_offloaded"] == len(idx) - 1
+        assert s["bytes_offloaded"] == hidden_bytes
+    else:
+        # GPT-2 passes its (B, 1, S, S) float mask positionally: it moves once, later layers share it.
+        assert s["tensors_offloaded"] == len(idx)
+        assert s["bytes_offloaded"] == hidden_bytes + B * S * S * 4
+        assert s["shared_views"] == len(idx) - 2
+    assert s["host_in_use_bytes"] == 0
+    assert hf.state(ours) == (idx, idx[:-1])
+
+
+def test_enable_checkpointing_on_a_transformers_model():
+    ids = batch()
+    ref_loss, ref = step(tiny("llama"), ids)
+    model = tiny("llama")
+    ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True, keep_last=0)
+    loss, got = step(model, ids)
+    torch.testing.assert_close(loss, ref_loss)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    assert ckpt_offload.stats()["bytes_offloaded"] == 3 * B * S * H * 4
+
+
+def test_enable_checkpointing_reconfigures_and_restores_a_transformers_model():
+    model = tiny("gpt2")
+    ids = batch()
+    model.eval()
+    before = model(input_ids=ids).logits
+    model.train()
+    assert ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True) == [0, 2, 4]
+    assert marked(model) == [0, 2, 4] and model.transformer.gradient_checkpointing is True
+    assert ckpt_offload.enable_checkpointing(model, every_n_layers=3) == [0, 3]
+    assert marked(model) == [0, 3]
+    step(model, ids)
+    ckpt_offload.disable_checkpointing(model)
+    assert marked(model) == [] and model.transformer.gradient_checkpointing is False
+    assert not any("_gradient_checkpointing_func" in m.__dict__ for m in model.modules())
+    model.eval()
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_enable_refuses_double_checkpointing_and_bad_arguments():
+    model = tiny("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="transformers' own gradient checkpointing is on"):
+        ckpt_offload.enable_checkpointing(model)
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        hf.enable(model, use_reentrant=True)
+    with pytest.raises(ValueError, match="keep_last=9 is larger"):
+        hf.enable(model, keep_last=9)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf.enable(torch.nn.Linear(2, 2))
+    hf.disable(model)
+    assert marked(model) == [] and hf.state(model) is None
+
+
+def _trainer_losses(tmp_path, callbacks, every_n=2):
+    from torch.utils.data import Dataset
+
+    class Data(Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            ids = batch(seed=100 + i)[0]
+            return {"input_ids": ids, "labels": ids}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"every_n_layers": every_n, "offload": True},
+    )
+    trainer = transformers.Trainer(model=tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def test_trainer_callback_same_losses(tmp_path):
+    base, _ = _trainer_losses(tmp_path / "a", [])
+    assert ckpt_offload.stats()["bytes_offloaded"] == 0  # transformers' own offload: not ours
+    callback = hf.OffloadCallback(keep_last=1)
+    ours, trainer = _trainer_losses(tmp_path / "b", [callback])
+    assert len(base) == len(ours) == 3
+    assert ours == base
+    assert callback.checkpointed == [0, 2, 4]
+    s = ckpt_offload.stats()
+    assert s["bytes_offloaded"] == 3 * 2 * (B * S * H * 4)  # 3 steps x 2 offloaded layers
+    assert s["host_in_use_bytes"] == 0
