@@ -70,6 +70,7 @@ class OffloadSession:
         self._seqs: list[int] = []  # pack order of live records, ascending
         self._refs: list = []  # weakrefs to the records, aligned with _seqs
         self._next_seq = 0
+        self._compact_at = 64
         self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype, version)]
         self._deferred: list = []  # keep-last queue: (_Packed, tensor)
         self._engines = {}
@@ -176,15 +177,28 @@ class OffloadSession:
             rec = _Record(handle, eng, handle.nbytes, seq, start)
             self._seqs.append(seq)
             self._refs.append(weakref.ref(rec))
+            if len(self._refs) >= self._compact_at:
+                self._compact()
             if not handle.compacted:
                 entries = self._by_storage.setdefault(ref, [])
+                # A storage that outlives its graphs (an input fed every step) keeps one list.
+                entries[:] = [e for e in entries if e[0]() is not None]
                 entries.append((weakref.ref(rec), start, end, t.dtype, version))
-                if len(self._by_storage) > 256:
+                if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
         packed.record = rec
         packed.kept = None
         if src is not t:
             packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _compact(self):
+        # Records of graphs that died without backward leave dead entries; drop them with a
+        # doubling threshold so the cost stays constant per pack. Caller holds the lock.
+        live = [(q, x) for q, x in zip(self._seqs, self._refs) if x() is not None]
+        self._seqs = [q for q, _ in live]
+        self._refs = [x for _, x in live]
+        self._prune_storages()
+        self._compact_at = max(64, 2 * len(self._refs))
 
     def _prune_storages(self):
         for key in [k for k in self._by_storage if k.expired()]:
@@ -223,10 +237,6 @@ class OffloadSession:
                 if not r.prefetched:
                     r.prefetched = True
                     todo.append(r)
-            if len(seqs) > 64 and len(seqs) > 4 * sum(1 for x in refs if x() is not None):
-                live = [(s, x) for s, x in zip(seqs, refs) if x() is not None]
-                self._seqs = [s for s, _ in live]
-                self._refs = [x for _, x in live]
         for r in todo:
             handle = r.handle
             if handle is not None:
