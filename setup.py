@@ -9,7 +9,6 @@
 #                               also sees through an `nvcc` on PATH that is only a wrapper script.
 #   CKPT_OFFLOAD_DEBUG=1        -O0 -g instead of -O3.
 #   MAX_JOBS=N                  parallel compile jobs (ninja).
-import glob
 import os
 import re
 import shutil
