@@ -1,0 +1,66 @@
+"""Build plumbing: the toolkit search behind an nvcc wrapper, the build record, the loader's errors."""
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+import ckpt_offload
+from ckpt_offload import _build_info, _loader, _toolkit
+
+
+def fake_toolkit(root):
+    os.makedirs(os.path.join(root, "include"))
+    os.makedirs(os.path.join(root, "lib64"))
+    open(os.path.join(root, "include", "cuda_runtime_api.h"), "w").close()
+    open(os.path.join(root, "lib64", "libcudart.so"), "w").close()
+    return root
+
+
+def test_toolkit_found_behind_an_nvcc_wrapper(tmp_path, monkeypatch):
+    toolkit = fake_toolkit(str(tmp_path / "cuda-99.0"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {toolkit}/bin/nvcc "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(bindir))
+    assert _toolkit.find_cuda_toolkit() == os.path.realpath(toolkit)
+
+
+def test_cuda_home_wins_and_must_be_valid(tmp_path, monkeypatch):
+    toolkit = fake_toolkit(str(tmp_path / "tk"))
+    monkeypatch.setenv("CUDA_HOME", toolkit)
+    assert _toolkit.find_cuda_toolkit() == toolkit
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nothing"))
+    with pytest.raises(SystemExit, match="is not a CUDA toolkit"):
+        _toolkit.find_cuda_toolkit()
+
+
+def test_build_info_matches_the_record():
+    info = ckpt_offload.build_info()
+    assert set(info) >= {"torch_version", "cuda_version", "with_cuda", "cuda_usable"}
+    assert info["torch_version"] == _build_info.TORCH_VERSION == torch.__version__
+    assert info["with_cuda"] == _build_info.WITH_CUDA
+    assert (info["cuda_version"] is None) == (not info["with_cuda"])
+    if torch.version.cuda is not None and _build_info.CUDA_HOME is not None:
+        # A CUDA torch and a toolkit on the build machine give the CUDA variant, GPU or not.
+        assert info["with_cuda"] and info["cuda_version"] == _build_info.CUDA_VERSION
+
+
+def test_loader_names_both_versions_and_the_rebuild_command(monkeypatch):
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.13.0")
+    with pytest.raises(ImportError) as err:
+        _loader.load()
+    msg = str(err.value)
+    assert "built for torch 1.13.0" in msg and f"torch {torch.__version__} is installed" in msg
+    assert "pip install --no-build-isolation -e ." in msg
+
+
+def test_loader_ignores_local_version_tags(monkeypatch):
+    public = torch.__version__.split("+")[0]
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", public + "+somebuild")
+    assert _loader.load() is sys.modules["ckpt_offload._C"]
