@@ -40,11 +40,12 @@ def warn_kwarg_tensors(kwargs) -> None:
             return
 
 
-def run_checkpoint(session, function, args, kwargs):
-    """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device)."""
+def run_checkpoint(session, function, args, kwargs, keep=False):
+    """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device;
+    keep=True: stay on device but start the reloads of earlier layers when backward reaches them)."""
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    with session.hooks():
+    with session.hooks(keep=keep):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 

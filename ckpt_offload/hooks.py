@@ -42,14 +42,15 @@ class _Record:
 
 class _Packed:
     """What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself
-    while it waits in the keep-last queue."""
+    while it stays on the device (kept, or waiting in the keep-last queue)."""
 
-    __slots__ = ("record", "kept", "view")
+    __slots__ = ("record", "kept", "view", "seq")
 
-    def __init__(self, record=None, kept=None, view=None):
-        self.record = record
+    def __init__(self, kept, seq):
+        self.record = None
         self.kept = kept
-        self.view = view  # None: the record's own tensor; else (size, stride, element offset delta)
+        self.view = None  # None: the record's own tensor; else (size, stride, element offset delta)
+        self.seq = seq  # pack position: a kept tensor's reload point for what was packed before it
 
 
 class OffloadSession:
@@ -79,8 +80,10 @@ class OffloadSession:
         self._track_modules = track_modules
 
     # -- the hooks -----------------------------------------------------------------------------
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    def hooks(self, keep=False):
+        """Hooks that offload; with keep=True they keep tensors on the device but still mark the
+        point where backward reaches them, so the reloads of earlier tensors start there."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack_kept if keep else self.pack, self.unpack)
 
     def _is_candidate(self, t) -> bool:
         # Parameters, buffers, tensor subclasses (fake, functional, DTensor), meta and CPU tensors
@@ -106,7 +109,7 @@ class OffloadSession:
     def pack(self, t):
         if not self._is_candidate(t):
             return t
-        packed = _Packed(kept=t)
+        packed = _Packed(t, self._next_seq)
         if self.keep_last > 0:
             # The newest keep_last candidates wait on the device; the oldest of them goes now.
             self._deferred.append(packed)
@@ -116,10 +119,14 @@ class OffloadSession:
             self._send(packed)
         return packed
 
+    def pack_kept(self, t):
+        return _Packed(t, self._next_seq) if self._is_candidate(t) else t
+
     def unpack(self, packed):
         if not isinstance(packed, _Packed):
             return packed
         if packed.kept is not None:
+            self._prefetch_before(packed.seq)
             return packed.kept
         base = self._load(packed.record)
         if packed.view is None:
@@ -207,13 +214,13 @@ class OffloadSession:
     # -- reload --------------------------------------------------------------------------------
     def _load(self, rec):
         if rec.tensor is None:
-            self._prefetch_before(rec)
+            self._prefetch_before(rec.seq)
             rec.tensor = rec.engine.fetch(rec.handle)
             rec.handle = None  # fetched: the host block is back in the pool
         return rec.tensor
 
-    def _prefetch_before(self, rec):
-        """Start the reloads backward needs next: records packed before rec, nearest first."""
+    def _prefetch_before(self, seq):
+        """Start the reloads backward needs next: records packed before position seq, nearest first."""
         if self.prefetch <= 0:
             return
         with self._lock:
@@ -222,7 +229,7 @@ class OffloadSession:
             while refs and (refs[-1]() is None or refs[-1]().handle is None):
                 seqs.pop()
                 refs.pop()
-            i = bisect_left(seqs, rec.seq) - 1
+            i = bisect_left(seqs, seq) - 1
             queued = queued_bytes = 0
             todo = []
             while i >= 0 and queued < self.prefetch:

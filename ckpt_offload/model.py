@@ -69,14 +69,14 @@ def _set(saved, module, name, value):
     setattr(module, name, value)
 
 
-def _hf_checkpoint_func(session):
+def _hf_checkpoint_func(session, keep):
     def func(function, *args, **kwargs):
-        return run_checkpoint(session, function, args, kwargs)
+        return run_checkpoint(session, function, args, kwargs, keep)
 
     return func
 
 
-def _wrap(module: nn.Module, session):
+def _wrap(module: nn.Module, session, keep):
     original = module.forward
 
     @functools.wraps(original)
@@ -86,7 +86,7 @@ def _wrap(module: nn.Module, session):
         warn_kwarg_tensors(kwargs)
         # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
         fn = functools.partial(original, **kwargs) if kwargs else original
-        return run_checkpoint(session, fn, args, {})
+        return run_checkpoint(session, fn, args, {}, keep)
 
     return forward
 
@@ -160,10 +160,10 @@ def enable_checkpointing(
                 _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
         for i in checkpointed:
             _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", _hf_checkpoint_func(session if i in offloaded else None))
+            _set(saved, blocks[i], "_gradient_checkpointing_func", _hf_checkpoint_func(session, i not in offloaded))
     else:
         for i in checkpointed:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session if i in offloaded else None))
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
     # After each forward, drop the sources whose copies to host have finished.
     hook = model.register_forward_hook(lambda *_: session.poll()) if session is not None else None
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hook))

@@ -360,6 +360,28 @@ def test_prefetch_depth_in_layers():
     assert ckpt_offload.stats()["tensors_prefetched"] == 6
 
 
+def test_kept_tensor_starts_the_reloads_before_it():
+    # keep_last layers stay on the device, but backward reaching them starts the earlier reloads.
+    session, xs, packed = _packed_session(4, prefetch=2)
+    last = torch.full((256,), 9.0) * 1
+    kept = session.pack_kept(last)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 4
+    assert session.unpack(kept) is last
+    states = [p.record.handle.state for p in packed]
+    assert states == ["on_host", "on_host", "prefetching", "prefetching"]
+
+
+def test_model_keep_last_layer_prefetches_during_its_backward():
+    model = make_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, prefetch=2)
+    seen = []
+    # When backward reaches block 4, block 5 (kept) has unpacked its input: the reloads of blocks
+    # 4 and 3 are already on their way, before block 4 needs its own.
+    model.blocks[-2].register_full_backward_pre_hook(lambda *_: seen.append(ckpt_offload.stats()["tensors_prefetched"]))
+    loss_of(model, make_batch()).backward()
+    assert seen == [2]
+
+
 def test_prefetch_depth_in_bytes():
     session, xs, packed = _packed_session(6, prefetch=10, prefetch_bytes=2048)
     session.unpack(packed[5])

@@ -24,8 +24,8 @@ from ..hooks import OffloadSession, _check_int
 _STATE_ATTR = "_ckpt_offload_hf"
 
 
-def _checkpoint_func(session, ckpt_kwargs, function, *args, **kwargs):
-    return run_checkpoint(session, function, args, {**ckpt_kwargs, **kwargs})
+def _checkpoint_func(session, keep, ckpt_kwargs, function, *args, **kwargs):
+    return run_checkpoint(session, function, args, {**ckpt_kwargs, **kwargs}, keep)
 
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 2,
@@ -60,9 +60,11 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last]
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    func = functools.partial(_checkpoint_func, session, checkpoint_kwargs)
-    for i in offloaded:
-        layers[i]._gradient_checkpointing_func = func
+    func = functools.partial(_checkpoint_func, session, False, checkpoint_kwargs)
+    kept = functools.partial(_checkpoint_func, session, True, checkpoint_kwargs)
+    for i in checkpointed:
+        # The kept layers still mark where backward reaches them, to start earlier reloads.
+        layers[i]._gradient_checkpointing_func = func if i in offloaded else kept
     # Modules that checkpoint their children themselves (older model code) offload too.
     for m in model.modules():
         if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
