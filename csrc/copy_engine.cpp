@@ -38,6 +38,15 @@ int64_t span_elems(const at::Tensor& t) {
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
 cudaStream_t as_cuda(void* s) { return static_cast<cudaStream_t>(s); }
+
+// A graph replay cannot follow the host-side bookkeeping (pool blocks, polled sources), and
+// pinned allocation is illegal while capturing: refuse clearly instead of recording garbage.
+void check_not_capturing(cudaStream_t stream, const char* what) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CKPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "ckpt_offload: ", what,
+              " during CUDA graph capture is not supported; run the captured region without offload");
+}
 #endif
 
 void check_offloadable(const at::Tensor& t, const c10::Device& engine_device) {
@@ -205,6 +214,12 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     return h;
   }
 
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());
+    check_not_capturing(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), "offload");
+  }
+#endif
   auto block = pool_->acquire(h->nbytes_, /*wait_host=*/!cuda_);
   if (!block) {
     st_.offloads_refused += 1;
@@ -272,6 +287,7 @@ void CopyEngine::prefetch_locked(OffloadHandle& h) {
   if (cuda_) {
     c10::cuda::CUDAGuard guard(device_.index());
     auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
+    check_not_capturing(compute.stream(), "reload");
     // Allocated on the compute stream, so the memory belongs to the stream that will use it.
     h.dest_ = at::empty({h.span_elems_}, opts);
     h.dest_stream_ = compute.unwrap();

@@ -479,3 +479,18 @@ def test_gpu_steady_state_step_has_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert ckpt_offload.stats()["host_alloc_calls"] == allocs
+
+
+def test_torch_compile_matches_compiled_plain_checkpointing():
+    # Either compiled offload works and matches, or it must fail loudly; it must never be silently
+    # wrong or silently skip the offload.
+    ids = make_batch()
+    out = {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        model = make_model()
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=offload, keep_last=1)
+        loss_of(torch.compile(model, backend="aot_eager"), ids).backward()
+        out[offload] = grads(model)
+    assert_bitwise(out[True], out[False])
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * INPUT_BYTES
