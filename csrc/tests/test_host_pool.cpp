@@ -1,0 +1,441 @@
+// Unit tests of the host pool on its host-only path (HostPool::create(false)); no torch, no GPU.
+// Usage: test_host_pool [name...]   (no name: run all; --list: print the names). Exit 1 on any failure.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "host_pool.h"
+
+using ckpt_offload::HostBlock;
+using ckpt_offload::HostPool;
+using ckpt_offload::PoolStats;
+
+namespace {
+
+std::atomic<int> g_failures{0};
+std::mutex g_print_mu;
+
+// Unlike assert(), stays on under NDEBUG (the tests build in Release) and does not stop the test.
+#define CHECK(cond) check_impl((cond), #cond, __FILE__, __LINE__, std::string())
+#define CHECK_MSG(cond, msg) check_impl((cond), #cond, __FILE__, __LINE__, (msg))
+#define CHECK_EQ(a, b)                                                                      \
+  do {                                                                                      \
+    const auto check_a_ = (a);                                                              \
+    const auto check_b_ = (b);                                                              \
+    check_impl(check_a_ == check_b_, #a " == " #b, __FILE__, __LINE__,                      \
+               std::to_string(check_a_) + " vs " + std::to_string(check_b_));               \
+  } while (0)
+#define CHECK_THROWS(expr, Exc)                                                             \
+  do {                                                                                      \
+    bool check_thrown_ = false;                                                             \
+    try {                                                                                   \
+      (void)(expr);                                                                         \
+    } catch (const Exc&) {                                                                  \
+      check_thrown_ = true;                                                                 \
+    }                                                                                       \
+    check_impl(check_thrown_, #expr " throws " #Exc, __FILE__, __LINE__, std::string());   \
+  } while (0)
+
+bool check_impl(bool ok, const char* what, const char* file, int line, const std::string& detail) {
+  if (!ok) {
+    g_failures.fetch_add(1);
+    std::lock_guard<std::mutex> lock(g_print_mu);
+    std::fprintf(stderr, "  FAILED %s:%d: %s%s%s\n", file, line, what, detail.empty() ? "" : "  -- ",
+                 detail.c_str());
+  }
+  return ok;
+}
+
+constexpr size_t KiB = 1024;
+constexpr size_t MiB = 1024 * KiB;
+
+// ---------------------------------------------------------------------------------------------
+
+void test_round_size() {
+  // Below 8 KiB: multiples of 512, never less than 512, less than 512 bytes of waste.
+  for (size_t n = 0; n <= 8 * KiB; ++n) {
+    const size_t r = HostPool::round_size(n);
+    const bool ok = r % 512 == 0 && r >= n && r >= 512 && (n == 0 || r - n < 512);
+    if (!CHECK_MSG(ok, "n=" + std::to_string(n) + " r=" + std::to_string(r))) return;
+  }
+  // Above: waste below 1/16 of the request, and exactly 16 classes per power of two.
+  std::vector<size_t> sizes;
+  for (int k = 13; k < 36; ++k) {
+    const size_t p = size_t{1} << k;
+    for (size_t d : {size_t{0}, size_t{1}, size_t{511}, p / 32, p / 16 - 1, p / 16, p / 16 + 1, p / 2 + 3, p - 1}) {
+      sizes.push_back(p + d);
+    }
+  }
+  std::mt19937_64 rng(1234);
+  for (int i = 0; i < 200000; ++i) sizes.push_back(8 * KiB + 1 + rng() % (4ULL << 30));
+  for (size_t n : sizes) {
+    const size_t r = HostPool::round_size(n);
+    const std::string ctx = "n=" + std::to_string(n) + " r=" + std::to_string(r);
+    if (!CHECK_MSG(r >= n, ctx)) return;
+    if (!CHECK_MSG((r - n) * 16 < n, ctx + " (waste >= 6.25%)")) return;
+    if (!CHECK_MSG(r % 512 == 0, ctx)) return;
+    if (!CHECK_MSG(HostPool::round_size(r) == r, ctx + " (a class size must map to itself)")) return;
+  }
+  for (int k = 13; k < 30; ++k) {
+    const size_t lo = size_t{1} << k;
+    size_t classes = 0, last = 0;
+    for (size_t n = lo + 1; n <= 2 * lo; n += 256) {
+      const size_t r = HostPool::round_size(n);
+      CHECK_MSG(r >= last, "round_size must not decrease");
+      if (r != last) ++classes;
+      last = r;
+    }
+    CHECK_MSG(classes == 16, "classes in (2^" + std::to_string(k) + ", 2^" + std::to_string(k + 1) +
+                                 "]: " + std::to_string(classes));
+  }
+}
+
+void test_hit_reuse() {
+  auto pool = HostPool::create(false);
+  CHECK(!pool->pinned());
+  const size_t n = 100000;
+  auto b = pool->acquire(n, true);
+  if (!CHECK(b != nullptr)) return;
+  CHECK_EQ(b->size(), n);
+  CHECK_EQ(b->capacity(), HostPool::round_size(n));
+  CHECK(b->pending() == nullptr);
+  std::memset(b->data(), 0xab, b->capacity());  // the whole capacity is usable memory
+  void* first = b->data();
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.alloc_calls, 1u);
+  CHECK_EQ(s.misses, 1u);
+  CHECK_EQ(s.hits, 0u);
+  CHECK_EQ(s.in_use_bytes, n);
+  CHECK_EQ(s.blocks_in_use, 1u);
+  CHECK_EQ(s.reserved_bytes, HostPool::round_size(n));
+
+  b.reset();
+  s = pool->stats();
+  CHECK_EQ(s.in_use_bytes, 0u);
+  CHECK_EQ(s.blocks_in_use, 0u);
+  CHECK_EQ(s.reserved_bytes, HostPool::round_size(n));
+  CHECK_EQ(s.peak_in_use_bytes, n);
+
+  // Same size again: served from the free block, no new allocation.
+  b = pool->acquire(n, true);
+  if (!CHECK(b != nullptr)) return;
+  CHECK(b->data() == first);
+  s = pool->stats();
+  CHECK_EQ(s.hits, 1u);
+  CHECK_EQ(s.misses, 1u);
+  CHECK_EQ(s.alloc_calls, 1u);
+  b.reset();
+
+  // Another size of the same class is a hit too; a different class is a miss.
+  const size_t same_class = HostPool::round_size(n) - 7;
+  b = pool->acquire(same_class, true);
+  CHECK(b && b->data() == first);
+  CHECK_EQ(b ? b->size() : 0, same_class);
+  auto other = pool->acquire(3 * n, true);
+  CHECK(other && other->data() != first);
+  s = pool->stats();
+  CHECK_EQ(s.hits, 2u);
+  CHECK_EQ(s.misses, 2u);
+  CHECK_EQ(s.alloc_calls, 2u);
+  CHECK_EQ(s.blocks_in_use, 2u);
+}
+
+void test_cap_refusal() {
+  auto pool = HostPool::create(false);
+  const size_t n = 256 * KiB;
+  const size_t cls = HostPool::round_size(n);
+  pool->set_capacity(2 * cls);
+  auto a = pool->acquire(n, true);
+  auto b = pool->acquire(n, true);
+  CHECK(a != nullptr);
+  CHECK(b != nullptr);
+  auto c = pool->acquire(n, true);
+  CHECK(c == nullptr);
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.cap_refusals, 1u);
+  CHECK_EQ(s.capacity_bytes, 2 * cls);
+  CHECK(s.reserved_bytes <= s.capacity_bytes);
+  CHECK_EQ(s.misses, 2u);  // a refusal is not a miss
+  CHECK_EQ(s.alloc_calls, 2u);
+  CHECK_EQ(s.in_use_bytes, 2 * n);
+  // reserve() raises instead of returning nullptr.
+  CHECK_THROWS(pool->reserve(n), std::runtime_error);
+
+  // A freed block makes room again (as a hit); removing the cap lets the pool grow.
+  b.reset();
+  c = pool->acquire(n, true);
+  CHECK(c != nullptr);
+  CHECK_EQ(pool->stats().hits, 1u);
+  CHECK(pool->acquire(n, true) == nullptr);
+  CHECK_EQ(pool->stats().cap_refusals, 2u);
+  pool->set_capacity(0);
+  auto d = pool->acquire(n, true);
+  CHECK(d != nullptr);
+  CHECK_EQ(pool->stats().cap_refusals, 2u);
+
+  // Lowering the cap below what is reserved frees free blocks.
+  d.reset();
+  pool->set_capacity(2 * cls);
+  s = pool->stats();
+  CHECK_EQ(s.reserved_bytes, 2 * cls);
+  CHECK_EQ(s.free_calls, 1u);
+}
+
+void test_alloc_failure() {
+  auto pool = HostPool::create(false);
+  const size_t n = 128 * KiB;
+  pool->inject_alloc_failures(1);
+  CHECK(pool->acquire(n, true) == nullptr);  // nothing free to give back, so no retry helps
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.alloc_failures, 1u);
+  CHECK_EQ(s.alloc_calls, 0u);
+  CHECK_EQ(s.reserved_bytes, 0u);
+  CHECK_EQ(s.blocks_reserved, 0u);
+  CHECK_EQ(s.in_use_bytes, 0u);
+
+  auto b = pool->acquire(n, true);  // the injected failure is used up
+  CHECK(b != nullptr);
+  CHECK_EQ(pool->stats().alloc_failures, 1u);
+
+  // With a free block of another class the pool gives it back and retries once. (A large block in
+  // use keeps the small free one within the slack, so it survives until the failure.)
+  auto big = pool->acquire(16 * n, true);
+  CHECK(big != nullptr);
+  b.reset();
+  pool->inject_alloc_failures(1);
+  b = pool->acquire(2 * n, true);
+  CHECK(b != nullptr);
+  s = pool->stats();
+  CHECK_EQ(s.alloc_failures, 2u);
+  CHECK_EQ(s.free_calls, 1u);
+  CHECK_EQ(s.reserved_bytes, HostPool::round_size(16 * n) + HostPool::round_size(2 * n));
+
+  // Two failures in a row defeat the retry.
+  b.reset();
+  pool->inject_alloc_failures(2);
+  CHECK(pool->acquire(n, true) == nullptr);
+  s = pool->stats();
+  CHECK_EQ(s.alloc_failures, 4u);
+  CHECK_EQ(s.free_calls, 2u);
+  CHECK_EQ(s.in_use_bytes, 16 * n);
+
+  pool->inject_alloc_failures(1);
+  CHECK_THROWS(pool->reserve(n), std::runtime_error);
+  CHECK_EQ(pool->stats().alloc_failures, 5u);
+  CHECK(pool->acquire(n, true) != nullptr);
+}
+
+void test_empty_cache() {
+  auto pool = HostPool::create(false);
+  size_t expect = 0;
+  {
+    auto a = pool->acquire(64 * KiB, true);
+    auto b = pool->acquire(300 * KiB, true);
+    auto c = pool->acquire(2 * MiB, true);
+    CHECK(a && b && c);
+    expect = HostPool::round_size(64 * KiB) + HostPool::round_size(300 * KiB) + HostPool::round_size(2 * MiB);
+    // Blocks in use are not freed.
+    CHECK_EQ(pool->empty_cache(), 0u);
+  }
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.reserved_bytes, expect);
+  CHECK_EQ(s.blocks_reserved, 3u);
+  CHECK_EQ(pool->empty_cache(), expect);
+  s = pool->stats();
+  CHECK_EQ(s.reserved_bytes, 0u);
+  CHECK_EQ(s.blocks_reserved, 0u);
+  CHECK_EQ(s.free_calls, 3u);
+  CHECK_EQ(pool->empty_cache(), 0u);
+  auto d = pool->acquire(64 * KiB, true);
+  CHECK(d != nullptr);
+  s = pool->stats();
+  CHECK_EQ(s.hits, 0u);
+  CHECK_EQ(s.misses, 4u);
+}
+
+void test_reserve() {
+  auto pool = HostPool::create(false);
+  const size_t n = MiB + 12345;
+  const size_t cls = HostPool::round_size(n);
+  pool->reserve(n, 3);
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.alloc_calls, 3u);
+  CHECK_EQ(s.allocated_bytes, 3 * cls);
+  CHECK_EQ(s.reserved_bytes, 3 * cls);
+  CHECK_EQ(s.blocks_reserved, 3u);
+  CHECK_EQ(s.in_use_bytes, 0u);
+  CHECK_EQ(s.misses, 0u);
+
+  std::vector<std::shared_ptr<HostBlock>> held;
+  for (int i = 0; i < 3; ++i) held.push_back(pool->acquire(n, true));
+  for (auto& b : held) CHECK(b != nullptr && b->capacity() == cls);
+  s = pool->stats();
+  CHECK_EQ(s.hits, 3u);
+  CHECK_EQ(s.misses, 0u);
+  CHECK_EQ(s.alloc_calls, 3u);
+  CHECK_EQ(s.blocks_in_use, 3u);
+  held.push_back(pool->acquire(n, true));  // the fourth needs an allocation
+  CHECK_EQ(pool->stats().misses, 1u);
+  CHECK_EQ(pool->stats().alloc_calls, 4u);
+}
+
+// Random acquire/release traffic: reserved memory stays within the slack of the peak in use, and
+// no two live blocks overlap.
+void test_slack_random() {
+  auto pool = HostPool::create(false);
+  std::mt19937_64 rng(42);
+  std::vector<std::shared_ptr<HostBlock>> live;
+  std::map<uintptr_t, uintptr_t> ranges;  // start -> end of live blocks
+  uint64_t acquires = 0;
+  for (int step = 0; step < 4000; ++step) {
+    const bool release = !live.empty() && (live.size() > 24 || rng() % 100 < 45);
+    if (release) {
+      const size_t i = rng() % live.size();
+      ranges.erase(reinterpret_cast<uintptr_t>(live[i]->data()));
+      live[i] = std::move(live.back());
+      live.pop_back();
+    } else {
+      // Mostly a few recurring sizes (as activations are), sometimes anything from 64 KiB to 8 MiB.
+      static const size_t common[] = {64 * KiB, 192 * KiB, MiB, 3 * MiB + 4096};
+      const size_t n = rng() % 3 ? common[rng() % 4] : 64 * KiB + rng() % (8 * MiB);
+      auto b = pool->acquire(n, true);
+      ++acquires;
+      if (!CHECK(b != nullptr)) return;
+      const auto start = reinterpret_cast<uintptr_t>(b->data());
+      const auto end = start + b->capacity();
+      auto next = ranges.lower_bound(start);
+      const bool overlaps = (next != ranges.end() && next->first < end) ||
+                            (next != ranges.begin() && std::prev(next)->second > start);
+      if (!CHECK_MSG(!overlaps, "a block handed out twice")) return;
+      ranges.emplace(start, end);
+      static_cast<char*>(b->data())[0] = 1;
+      static_cast<char*>(b->data())[b->capacity() - 1] = 1;
+      live.push_back(std::move(b));
+    }
+    const PoolStats s = pool->stats();
+    if (!CHECK_MSG(static_cast<double>(s.reserved_bytes) <= HostPool::kSlack * static_cast<double>(s.peak_in_use_bytes),
+                   "step " + std::to_string(step) + ": reserved " + std::to_string(s.reserved_bytes) +
+                       " > 1.1 * peak " + std::to_string(s.peak_in_use_bytes)))
+      return;
+  }
+  live.clear();
+  const PoolStats s = pool->stats();
+  CHECK_EQ(s.in_use_bytes, 0u);
+  CHECK_EQ(s.blocks_in_use, 0u);
+  CHECK_EQ(s.hits + s.misses, acquires);
+  CHECK(s.hits > acquires / 2);  // recurring sizes are mostly reused
+  CHECK_EQ(s.blocks_reserved, s.alloc_calls - s.free_calls);
+}
+
+void test_threads() {
+  auto pool = HostPool::create(false);
+  constexpr int kThreads = 4;
+  constexpr int kIters = 20000;
+  std::atomic<uint64_t> acquires{0};
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Start together: on a loaded machine a thread could otherwise finish before the next starts.
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      std::mt19937 rng(100 + t);
+      std::vector<std::pair<std::shared_ptr<HostBlock>, uint64_t>> held;
+      // At least kIters each, and long enough that a missing lock gets its chance to show.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+      for (int i = 0; i < kIters || std::chrono::steady_clock::now() < until; ++i) {
+        if (held.size() < 4 && (held.empty() || rng() % 2)) {
+          static const size_t sizes[] = {4 * KiB, 64 * KiB, 100 * KiB, 512 * KiB, MiB};
+          auto b = pool->acquire(sizes[rng() % 5] + rng() % 64, true);
+          acquires.fetch_add(1);
+          if (!CHECK(b != nullptr)) return;
+          // A token at both ends: another thread handed the same memory would overwrite it.
+          const uint64_t token = (uint64_t(t) << 32) | uint64_t(i);
+          std::memcpy(b->data(), &token, sizeof token);
+          std::memcpy(static_cast<char*>(b->data()) + b->size() - sizeof token, &token, sizeof token);
+          held.emplace_back(std::move(b), token);
+        } else {
+          const size_t k = rng() % held.size();
+          uint64_t head = 0, tail = 0;
+          auto& b = held[k].first;
+          std::memcpy(&head, b->data(), sizeof head);
+          std::memcpy(&tail, static_cast<char*>(b->data()) + b->size() - sizeof tail, sizeof tail);
+          CHECK_MSG(head == held[k].second && tail == held[k].second, "block shared between threads");
+          held[k] = std::move(held.back());
+          held.pop_back();
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const PoolStats s = pool->stats();
+  CHECK_EQ(s.in_use_bytes, 0u);
+  CHECK_EQ(s.blocks_in_use, 0u);
+  CHECK_EQ(s.hits + s.misses, acquires.load());
+  CHECK_EQ(s.alloc_calls, s.misses);  // no failures were injected
+  CHECK_EQ(s.blocks_reserved, s.alloc_calls - s.free_calls);
+  CHECK(s.hits > 0);
+}
+
+// Pinned pools need a usable CUDA runtime; without one (host-only build or no driver) create()
+// refuses clearly instead of failing later.
+void test_pinned() {
+  if (!ckpt_offload::cuda_runtime_usable()) {
+    CHECK_THROWS(HostPool::create(true), std::invalid_argument);
+    return;
+  }
+  auto pool = HostPool::create(true);
+  CHECK(pool->pinned());
+  auto b = pool->acquire(MiB, true);
+  CHECK(b != nullptr);
+  if (b) std::memset(b->data(), 1, b->size());
+  CHECK(pool->stats().pinned);
+}
+
+const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
+    {"round_size", test_round_size},   {"hit_reuse", test_hit_reuse},     {"cap_refusal", test_cap_refusal},
+    {"alloc_failure", test_alloc_failure}, {"empty_cache", test_empty_cache}, {"reserve", test_reserve},
+    {"slack_random", test_slack_random}, {"threads", test_threads},       {"pinned", test_pinned},
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> names(argv + 1, argv + argc);
+  if (names.size() == 1 && names[0] == "--list") {
+    for (auto& t : kTests) std::printf("%s\n", t.first.c_str());
+    return 0;
+  }
+  if (names.empty()) {
+    for (auto& t : kTests) names.push_back(t.first);
+  }
+  int failed_tests = 0;
+  for (const auto& name : names) {
+    auto it = std::find_if(kTests.begin(), kTests.end(), [&](const auto& t) { return t.first == name; });
+    if (it == kTests.end()) {
+      std::fprintf(stderr, "unknown test: %s (see --list)\n", name.c_str());
+      return 2;
+    }
+    const int before = g_failures.load();
+    try {
+      it->second();
+    } catch (const std::exception& e) {
+      check_impl(false, "unexpected exception", __FILE__, __LINE__, e.what());
+    }
+    const bool ok = g_failures.load() == before;
+    failed_tests += ok ? 0 : 1;
+    std::printf("[%s] %s\n", ok ? "  OK  " : "FAILED", name.c_str());
+  }
+  return failed_tests == 0 ? 0 : 1;
+}
