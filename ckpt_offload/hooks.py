@@ -28,29 +28,48 @@ def test_cpu_enabled() -> bool:
 class _Record:
     """One offloaded byte range of a storage: the engine handle while away, the tensor once back."""
 
-    __slots__ = ("handle", "engine", "nbytes", "seq", "prefetched", "tensor", "storage_offset", "__weakref__")
+    __slots__ = (
+        "handle", "engine", "nbytes", "seq", "prefetched", "tensor", "storage_offset", "counter", "version",
+        "__weakref__",
+    )
 
-    def __init__(self, handle, engine, nbytes, seq, storage_offset):
+    def __init__(self, handle, engine, seq, storage_offset, counter, version):
         self.handle = handle
         self.engine = engine
-        self.nbytes = nbytes
+        self.nbytes = handle.nbytes
         self.seq = seq
         self.prefetched = False
         self.tensor = None
         self.storage_offset = storage_offset
+        self.counter = counter  # the source's version counter, and its value when offloaded
+        self.version = version
 
 
 class _Packed:
     """What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself
     while it stays on the device (kept, or waiting in the keep-last queue)."""
 
-    __slots__ = ("record", "kept", "view", "seq")
+    __slots__ = ("record", "kept", "view", "seq", "version", "counter", "stream")
 
     def __init__(self, kept, seq):
         self.record = None
         self.kept = kept
         self.view = None  # None: the record's own tensor; else (size, stride, element offset delta)
         self.seq = seq  # pack position: a kept tensor's reload point for what was packed before it
+        # Saved-tensor hooks switch autograd's in-place check off; unpack redoes it with these.
+        self.version = kept._version
+        self.counter = None  # the version counter, once the tensor itself is no longer held
+        self.stream = None  # the producer's stream, for a send deferred by the keep-last queue
+
+
+def _modified_error(packed, now):
+    t = packed.kept if packed.kept is not None else None
+    what = f"{t.type()} {list(t.shape)}" if t is not None else "an offloaded tensor"
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{what}] is at version {now}; expected version {packed.version} instead. (ckpt_offload checks this "
+        "itself: saved-tensor hooks switch off autograd's own check.)"
+    )
 
 
 class OffloadSession:
@@ -62,6 +81,11 @@ class OffloadSession:
     """
 
     def __init__(self, *, min_bytes=0, keep_last=0, prefetch=2, prefetch_bytes=None, track_modules=False):
+        _check_int("OffloadSession", "min_bytes", min_bytes, 0)
+        _check_int("OffloadSession", "keep_last", keep_last, 0)
+        _check_int("OffloadSession", "prefetch", prefetch, 0)
+        if prefetch_bytes is not None:
+            _check_int("OffloadSession", "prefetch_bytes", prefetch_bytes, 1)
         self.min_bytes = min_bytes
         self.keep_last = keep_last
         self.prefetch = prefetch
@@ -97,7 +121,7 @@ class OffloadSession:
         dev = t.device.type
         if dev != "cuda" and not (dev == "cpu" and self.test_cpu):
             return False
-        if t.layout != torch.strided or t.is_nested or t.is_quantized:
+        if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
             return False
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes < self.min_bytes:
@@ -106,12 +130,20 @@ class OffloadSession:
             return False
         return True
 
+    def _number(self, t):
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+        return _Packed(t, seq)
+
     def pack(self, t):
         if not self._is_candidate(t):
-            return t
-        packed = _Packed(t, self._next_seq)
+            return _Packed(t, self._next_seq)
+        packed = self._number(t)
         if self.keep_last > 0:
             # The newest keep_last candidates wait on the device; the oldest of them goes now.
+            if t.is_cuda:
+                packed.stream = torch.cuda.current_stream(t.device)
             self._deferred.append(packed)
             if len(self._deferred) > self.keep_last:
                 self._send(self._deferred.pop(0))
@@ -120,14 +152,16 @@ class OffloadSession:
         return packed
 
     def pack_kept(self, t):
-        return _Packed(t, self._next_seq) if self._is_candidate(t) else t
+        return self._number(t) if self._is_candidate(t) else _Packed(t, self._next_seq)
 
     def unpack(self, packed):
-        if not isinstance(packed, _Packed):
-            return packed
         if packed.kept is not None:
+            if packed.kept._version != packed.version:
+                raise _modified_error(packed, packed.kept._version)
             self._prefetch_before(packed.seq)
             return packed.kept
+        if packed.counter.value != packed.version:
+            raise _modified_error(packed, packed.counter.value)
         base = self._load(packed.record)
         if packed.view is None:
             return base
@@ -146,20 +180,24 @@ class OffloadSession:
         ref = StorageWeakRef(t.untyped_storage())
         start = t.storage_offset()
         end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-        version = t._version
+        version = packed.version
+        counter = _engine._C.VersionCounter(t)
         with self._lock:
-            # A view of a range already on its way: share that copy instead of moving it twice.
-            for rec_ref, r_start, r_end, r_dtype, r_version in self._by_storage.get(ref, ()):
+            # A view of a range already on its way: share that copy instead of moving it twice,
+            # unless either side was written since (the copy would be stale).
+            for rec_ref, r_start, r_end, r_dtype in self._by_storage.get(ref, ()):
                 rec = rec_ref()
                 if (
                     rec is not None
                     and r_dtype == t.dtype
-                    and r_version == version
+                    and rec.version == version
+                    and rec.counter.value == rec.version
                     and r_start <= start
                     and end <= r_end
                 ):
                     packed.record = rec
                     packed.view = (tuple(t.shape), tuple(t.stride()), start - rec.storage_offset)
+                    packed.counter = counter
                     packed.kept = None
                     _engine.count("shared_views")
                     return
@@ -173,15 +211,19 @@ class OffloadSession:
                 src = t.detach().as_strided((storage_elems,), (1,), 0)
                 start, end = 0, storage_elems
         eng = self._engine_for(t.device)
-        handle = eng.offload(src)
+        stream = packed.stream
+        if stream is not None and stream != torch.cuda.current_stream(t.device):
+            with torch.cuda.stream(stream):  # order the copy after the producer, not today's stream
+                handle = eng.offload(src)
+        else:
+            handle = eng.offload(src)
         if handle is None:
             _engine.count("tensors_kept_on_device")
             _warn_refused(eng)
             return  # stays on the device
         with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            rec = _Record(handle, eng, handle.nbytes, seq, start)
+            seq = packed.seq
+            rec = _Record(handle, eng, seq, start, counter, version)
             self._seqs.append(seq)
             self._refs.append(weakref.ref(rec))
             if len(self._refs) >= self._compact_at:
@@ -190,10 +232,11 @@ class OffloadSession:
                 entries = self._by_storage.setdefault(ref, [])
                 # A storage that outlives its graphs (an input fed every step) keeps one list.
                 entries[:] = [e for e in entries if e[0]() is not None]
-                entries.append((weakref.ref(rec), start, end, t.dtype, version))
+                entries.append((weakref.ref(rec), start, end, t.dtype))
                 if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
         packed.record = rec
+        packed.counter = counter
         packed.kept = None
         if src is not t:
             packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
@@ -214,9 +257,9 @@ class OffloadSession:
     # -- reload --------------------------------------------------------------------------------
     def _load(self, rec):
         if rec.tensor is None:
-            self._prefetch_before(rec.seq)
-            rec.tensor = rec.engine.fetch(rec.handle)
+            rec.tensor = rec.engine.fetch(rec.handle)  # first: the copy needed now goes first
             rec.handle = None  # fetched: the host block is back in the pool
+            self._prefetch_before(rec.seq)
         return rec.tensor
 
     def _prefetch_before(self, seq):
@@ -226,7 +269,10 @@ class OffloadSession:
         with self._lock:
             seqs, refs = self._seqs, self._refs
             # Drop finished entries at the tail: backward consumes the newest first.
-            while refs and (refs[-1]() is None or refs[-1]().handle is None):
+            while refs:
+                last = refs[-1]()
+                if last is not None and last.handle is not None:
+                    break
                 seqs.pop()
                 refs.pop()
             i = bisect_left(seqs, seq) - 1
@@ -263,17 +309,35 @@ class OffloadSession:
         self._deferred = []
         self.poll()
 
+    def exclude_module_tensors(self, model):
+        """Never offload model's parameters and buffers (by storage), until the next call."""
+        ptrs = set()
+        for t in (*model.parameters(), *model.buffers()):
+            ptr = _storage_ptr(t)
+            if ptr:
+                ptrs.add(ptr)
+        self._module_ptrs = ptrs
+
     def _note_module(self, module, args):
-        for p in module._parameters.values():
-            if p is not None:
-                self._module_ptrs.add(p.untyped_storage().data_ptr())
-        for b in module._buffers.values():
-            if b is not None:
-                self._module_ptrs.add(b.untyped_storage().data_ptr())
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            ptr = _storage_ptr(t)
+            if ptr:
+                self._module_ptrs.add(ptr)
 
     def poll(self):
         for eng in self._engines.values():
             eng.poll()
+
+
+def _storage_ptr(t):
+    """Data pointer of a plain tensor's storage; None for subclasses (DTensor under FSDP2, fake
+    tensors) and freed storages, which are never offload candidates anyway."""
+    if t is None or type(t) not in _PLAIN_TYPES:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 _refusal_warned = False

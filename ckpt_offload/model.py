@@ -52,13 +52,13 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _State:
-    def __init__(self, layers, checkpointed, offloaded, session, saved_attrs, hook):
+    def __init__(self, layers, checkpointed, offloaded, session, saved_attrs, hooks):
         self.layers = layers
         self.checkpointed = checkpointed
         self.offloaded = offloaded
         self.session = session
         self.saved_attrs = saved_attrs  # [(module, name, previous instance value or _MISSING)]
-        self.hook = hook
+        self.hooks = hooks
 
 
 _MISSING = object()
@@ -164,9 +164,14 @@ def enable_checkpointing(
     else:
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
-    # After each forward, drop the sources whose copies to host have finished.
-    hook = model.register_forward_hook(lambda *_: session.poll()) if session is not None else None
-    setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hook))
+    hooks = []
+    if session is not None:
+        # Before each forward: the model's own weights and buffers, which a block may receive
+        # positionally, are never offloaded (looked up anew: .to() or FSDP may have moved them).
+        hooks.append(model.register_forward_pre_hook(lambda module, args: session.exclude_module_tensors(module)))
+        # After each forward: drop the sources whose copies to host have finished.
+        hooks.append(model.register_forward_hook(lambda *_: session.poll()))
+    setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
     return checkpointed
 
 
@@ -182,8 +187,8 @@ def disable_checkpointing(model: nn.Module) -> None:
             delattr(module, name)
         else:
             setattr(module, name, previous)
-    if state.hook is not None:
-        state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
 
 
 def checkpointing_state(model: nn.Module):

@@ -22,6 +22,7 @@ py::dict pool_stats_dict(const PoolStats& s) {
   d["reserved_bytes"] = s.reserved_bytes;
   d["in_use_bytes"] = s.in_use_bytes;
   d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+  d["high_water_bytes"] = s.high_water_bytes;
   d["blocks_reserved"] = s.blocks_reserved;
   d["blocks_in_use"] = s.blocks_in_use;
   d["alloc_calls"] = s.alloc_calls;
@@ -92,6 +93,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_profiling", &CopyEngine::set_profiling, py::arg("on"));
   m.def("profiling", &CopyEngine::profiling);
 
+  // Saved-tensor hooks switch off autograd's in-place check; the hooks restore it with this: the
+  // tensor's version counter, held without holding the tensor's memory.
+  py::class_<c10::VariableVersion>(m, "VersionCounter")
+      .def(py::init([](const at::Tensor& t) { return torch::autograd::impl::version_counter(t); }), py::arg("tensor"))
+      .def_property_readonly("value", &c10::VariableVersion::current_version);
+
   py::class_<HostBlock, std::shared_ptr<HostBlock>>(m, "HostBlock",
                                                     "A pool block; its memory returns to the pool when the last "
                                                     "reference (this object or a tensor from tensor()) dies.")
@@ -122,8 +129,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "set_capacity",
           [](HostPool& p, int64_t nbytes) { p.set_capacity(checked_size(nbytes, "set_capacity: nbytes")); },
           py::arg("nbytes"), release_gil(), "0 removes the cap")
-      .def("stats", [](HostPool& p) { return pool_stats_dict(p.stats()); })
-      .def("reset_stats", &HostPool::reset_stats)
+      .def("stats",
+           [](HostPool& p) {
+             PoolStats s;
+             {
+               py::gil_scoped_release no_gil;  // the pool lock can be held across a pinning call
+               s = p.stats();
+             }
+             return pool_stats_dict(s);
+           })
+      .def("reset_stats", &HostPool::reset_stats, release_gil())
       .def_property_readonly("pinned", &HostPool::pinned)
       .def(
           "inject_alloc_failures",
@@ -137,7 +152,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("nbytes"));
 
   py::class_<OffloadHandle, std::shared_ptr<OffloadHandle>>(m, "OffloadHandle")
-      .def_property_readonly("state", [](OffloadHandle& h) { return std::string(state_name(h.state())); })
+      .def_property_readonly("state",
+                             [](OffloadHandle& h) {
+                               HandleState st;
+                               {
+                                 py::gil_scoped_release no_gil;
+                                 st = h.state();
+                               }
+                               return std::string(state_name(st));
+                             })
       .def_property_readonly("nbytes", &OffloadHandle::nbytes)
       .def_property_readonly("shape", [](const OffloadHandle& h) { return h.sizes(); })
       .def_property_readonly("stride", [](const OffloadHandle& h) { return h.strides(); })
@@ -166,8 +189,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &CopyEngine::release, py::arg("handle"), release_gil())
       .def("poll", &CopyEngine::poll, release_gil())
       .def("synchronize", &CopyEngine::synchronize, release_gil())
-      .def("stats", [](CopyEngine& e) { return engine_stats_dict(e.stats()); })
-      .def("reset_stats", &CopyEngine::reset_stats)
+      .def("stats",
+           [](CopyEngine& e) {
+             EngineStats s;
+             {
+               py::gil_scoped_release no_gil;  // never wait for the engine lock holding the GIL
+               s = e.stats();
+             }
+             return engine_stats_dict(s);
+           })
+      .def("reset_stats", &CopyEngine::reset_stats, release_gil())
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("pool", &CopyEngine::pool)
       .def_property_readonly("uses_cuda", &CopyEngine::uses_cuda);

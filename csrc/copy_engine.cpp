@@ -2,6 +2,7 @@
 // CUDA tensors use the engine's own streams and events; everything else copies synchronously.
 #include "copy_engine.h"
 
+#include <cstdio>
 #include <map>
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
@@ -56,6 +57,9 @@ void check_offloadable(const at::Tensor& t, const c10::Device& engine_device) {
                     t.layout());
   TORCH_CHECK_VALUE(!t.is_meta(), "offload: meta tensors have no data to offload");
   TORCH_CHECK_VALUE(!t.is_quantized(), "offload: quantized tensors are not supported");
+  // The copy moves raw bytes: a lazy conjugate or negation would come back as plain values.
+  TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(),
+                    "offload: tensor has a conjugate or negative bit; resolve it first (resolve_conj / resolve_neg)");
   TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "offload: tensor must be on a CUDA device or the CPU, got ",
                     t.device());
   TORCH_CHECK_VALUE(t.device().type() == engine_device.type() &&
@@ -86,10 +90,16 @@ const char* state_name(HandleState s) {
 // OffloadHandle
 
 OffloadHandle::~OffloadHandle() {
-  std::vector<at::Tensor> garbage;
-  {
-    std::lock_guard<std::mutex> lock(engine_->mu_);
-    engine_->release_locked(*this, garbage);
+  try {
+    std::vector<at::Tensor> garbage;
+    {
+      std::lock_guard<std::mutex> lock(engine_->mu_);
+      engine_->release_locked(*this, garbage);
+    }
+  } catch (const std::exception& e) {
+    // A CUDA error (often a sticky one from an earlier kernel) must not terminate the process
+    // from a destructor; the original error surfaces at the next checked call.
+    std::fprintf(stderr, "ckpt_offload warning: releasing a handle failed: %s\n", e.what());
   }
 }
 
@@ -136,11 +146,14 @@ CopyEngine::CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool)
 CopyEngine::~CopyEngine() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());
+    int previous = -1;
+    CKPT_CUDA_CHECK_WARN(cudaGetDevice(&previous));
+    CKPT_CUDA_CHECK_WARN(cudaSetDevice(device_.index()));
     CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(d2h_stream_)));
     CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(h2d_stream_)));
     CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(d2h_stream_)));
     CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(h2d_stream_)));
+    if (previous >= 0) CKPT_CUDA_CHECK_WARN(cudaSetDevice(previous));
   }
 #endif
 }
@@ -185,11 +198,10 @@ bool CopyEngine::profiling() { return g_profiling.load(); }
 
 HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   check_offloadable(tensor, device_);
-  std::vector<at::Tensor> garbage;
-  std::unique_lock<std::mutex> lock(mu_);
-  poll_locked(garbage);
-
+  // Built and filled before the engine lock is taken: if anything below throws, the handle dies
+  // as "released" after the lock is gone (its destructor takes the lock).
   HandlePtr h(new OffloadHandle(shared_from_this()));
+  h->state_ = HandleState::kReleased;
   h->dtype_ = tensor.scalar_type();
   h->device_ = tensor.device();
   h->sizes_ = tensor.sizes().vec();
@@ -197,66 +209,72 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
 
   at::Tensor src = tensor;
   int64_t span = span_elems(tensor);
-  if (span > tensor.numel()) {
+  const bool compact = span > tensor.numel();
+  if (compact) {
     // Gaps between elements (a strided slice): copying the span would move bytes nobody needs,
     // so copy densely. Overlapping views (expand, stride 0) keep their smaller span instead.
     src = tensor.contiguous();
     h->strides_ = src.strides().vec();
     h->compacted_ = true;
     span = src.numel();
-    st_.compacted += 1;
   }
   h->span_elems_ = span;
   h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
+
+  std::vector<at::Tensor> garbage;  // destroyed after the lock below is released
   if (h->nbytes_ == 0) {
     h->state_ = HandleState::kOnHost;
+    std::lock_guard<std::mutex> lock(mu_);
     st_.tensors_offloaded += 1;
     return h;
   }
 
+  std::shared_ptr<HostBlock> block;
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());
-    check_not_capturing(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), "offload");
-  }
-#endif
-  auto block = pool_->acquire(h->nbytes_, /*wait_host=*/!cuda_);
-  if (!block) {
-    st_.offloads_refused += 1;
-    h->state_ = HandleState::kReleased;  // nothing to give back when h dies
-    lock.unlock();                       // h's destructor takes this lock
-    return nullptr;
-  }
-
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());  // events and copies on the tensor's own device
+    c10::cuda::CUDAGuard guard(device_.index());  // events, copies and pinning on this device
     // The current stream, looked up now: it is the one that produced the tensor for this call.
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
-    cudaStream_t d2h = as_cuda(d2h_stream_);
-    auto ready = std::make_shared<CudaEvent>();
-    ready->record(compute);
-    ready->block(d2h);
-    if (block->pending()) block->pending()->block(d2h);  // a reload may still read this block
-    CKPT_CUDA_CHECK(cudaMemcpyAsync(block->data(), src.data_ptr(), h->nbytes_, cudaMemcpyDeviceToHost, d2h));
-    auto done = std::make_shared<CudaEvent>();
-    done->record(d2h);
-    h->d2h_done_ = done;
-    block->set_last_use(done);
-    // The source must outlive its copy: keep it until `done` completes, then drop it (poll).
-    pending_.push_back({done, src});
-    h->state_ = HandleState::kOffloading;
+    check_not_capturing(compute, "offload");
+    block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
+    if (block) {
+      cudaStream_t d2h = as_cuda(d2h_stream_);
+      auto ready = std::make_shared<CudaEvent>();
+      ready->record(compute);
+      ready->block(d2h);
+      if (block->pending()) block->pending()->block(d2h);  // a reload may still read this block
+      CKPT_CUDA_CHECK(cudaMemcpyAsync(block->data(), src.data_ptr(), h->nbytes_, cudaMemcpyDeviceToHost, d2h));
+      auto done = std::make_shared<CudaEvent>();
+      done->record(d2h);
+      h->d2h_done_ = done;
+      block->set_last_use(done);
+      h->state_ = HandleState::kOffloading;
+    }
   } else
 #endif
   {
-    auto host = at::from_blob(block->data(), {span}, at::TensorOptions().dtype(src.scalar_type()));
-    host.copy_(src.as_strided({span}, {1}, src.storage_offset()));
-    h->state_ = HandleState::kOnHost;
+    block = pool_->acquire(h->nbytes_, /*wait_host=*/true);
+    if (block) {
+      auto host = at::from_blob(block->data(), {span}, at::TensorOptions().dtype(src.scalar_type()));
+      host.copy_(src.as_strided({span}, {1}, src.storage_offset()));
+      h->state_ = HandleState::kOnHost;
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!block) {
+    st_.offloads_refused += 1;
+    return nullptr;
+  }
+  poll_locked(garbage);
+  if (h->state_ == HandleState::kOffloading) {
+    // The source must outlive its copy: keep it until the copy's event completes (poll).
+    pending_.push_back({h->d2h_done_, src});
   }
   h->block_ = std::move(block);
+  st_.compacted += compact ? 1 : 0;
   st_.tensors_offloaded += 1;
   st_.bytes_offloaded += h->nbytes_;
-  lock.unlock();
   return h;
 }
 
@@ -349,6 +367,7 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
         end = std::make_shared<CudaEvent>(/*timing=*/true);
         end->record(current.stream());
         wait_samples_.push_back({start, end});
+        if (wait_samples_.size() > 4096) fold_wait_samples_locked();  // stats() never called
       }
       // Fetched on another stream than the one that allocated it: tell the allocator, or the
       // memory could be reused while this stream still reads it.
@@ -420,8 +439,7 @@ void CopyEngine::synchronize() {
   poll();
 }
 
-EngineStats CopyEngine::stats() {
-  std::lock_guard<std::mutex> lock(mu_);
+void CopyEngine::fold_wait_samples_locked() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   // Fold finished wait measurements into the total; unfinished ones stay for the next call.
   std::vector<WaitSample> open;
@@ -435,6 +453,11 @@ EngineStats CopyEngine::stats() {
   }
   wait_samples_.swap(open);
 #endif
+}
+
+EngineStats CopyEngine::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  fold_wait_samples_locked();
   EngineStats out = st_;
   out.pending_sources = pending_.size();
   return out;

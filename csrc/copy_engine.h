@@ -112,6 +112,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   void prefetch_locked(OffloadHandle& h);
   void poll_locked(std::vector<at::Tensor>& garbage);
   void refresh_state_locked(OffloadHandle& h);
+  void fold_wait_samples_locked();
 
   const c10::Device device_;
   const std::shared_ptr<HostPool> pool_;

@@ -29,7 +29,11 @@ HostBlock::HostBlock(std::shared_ptr<HostPool> pool, void* ptr, size_t capacity,
 HostBlock::~HostBlock() {
   // The last use is whichever copy touched the block last: a pending reader handed over by the
   // pool stays the last use if nobody recorded a newer one.
-  pool_->give_back(ptr_, capacity_, requested_, last_use_ ? std::move(last_use_) : std::move(pending_));
+  try {
+    pool_->give_back(ptr_, capacity_, requested_, last_use_ ? std::move(last_use_) : std::move(pending_));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckpt_offload warning: returning a host block failed: %s\n", e.what());
+  }
 }
 
 void HostBlock::wait_pending() {
@@ -128,30 +132,33 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
   std::shared_ptr<HostBlock> block;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    auto range = free_.equal_range(cls);
-    auto pick = range.second;
-    for (auto it = range.first; it != range.second; ++it) {
+    // Smallest fitting free block: the exact class first, else one up to kOversize larger (shapes
+    // that differ a little from step to step share blocks instead of allocating every step).
+    // Among those, one whose last copy has completed; else the smallest, which the writer then
+    // orders itself after, rather than allocating in the steady state.
+    const size_t largest = static_cast<size_t>(static_cast<double>(cls) * kOversize);
+    auto first = free_.lower_bound(cls);
+    auto pick = free_.end();
+    for (auto it = first; it != free_.end() && it->first <= largest; ++it) {
       if (event_done(it->second.last_use)) {
         pick = it;
         break;
       }
     }
-    // Only blocks with a copy still reading them: take one anyway and let the writer order
-    // itself after that copy, rather than allocating in the steady state.
-    if (pick == range.second && range.first != range.second) pick = range.first;
+    if (pick == free_.end() && first != free_.end() && first->first <= largest) pick = first;
 
-    if (pick != range.second) {
+    if (pick != free_.end()) {
       FreeBlock fb = pick->second;
       free_.erase(pick);
       st_.hits += 1;
-      st_.in_use_bytes += nbytes;
-      st_.blocks_in_use += 1;
-      st_.peak_in_use_bytes = std::max(st_.peak_in_use_bytes, st_.in_use_bytes);
+      note_in_use(nbytes);
       EventPtr pending = event_done(fb.last_use) ? nullptr : fb.last_use;
       block = std::make_shared<HostBlock>(shared_from_this(), fb.ptr, fb.capacity, nbytes, std::move(pending));
     } else {
-      const uint64_t peak_after = std::max(st_.peak_in_use_bytes, st_.in_use_bytes + nbytes);
-      evict_until(cls, static_cast<size_t>(kSlack * static_cast<double>(peak_after)));
+      // Keep reserved bytes within kSlack of the largest working set seen (or what reserve()
+      // asked for): free blocks of sizes no longer used go back before a new one is pinned.
+      const uint64_t high_after = std::max(high_water_, st_.in_use_bytes + nbytes);
+      evict_until(cls, reserve_floor_ + static_cast<size_t>(kSlack * static_cast<double>(high_after)));
       if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
         evict_until(cls, st_.capacity_bytes);
         if (st_.reserved_bytes + cls > st_.capacity_bytes) {
@@ -160,38 +167,18 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
         }
       }
       st_.misses += 1;
-      // Account for the block before allocating so concurrent acquires respect the cap, then
-      // allocate without the lock: pinning takes about half a second per GiB.
-      st_.reserved_bytes += cls;
-      st_.blocks_reserved += 1;
-      lock.unlock();
-      void* ptr = system_alloc(cls);
-      lock.lock();
+      void* ptr = allocate_unlocked(lock, cls);
       if (ptr == nullptr) {
-        st_.reserved_bytes -= cls;
-        st_.blocks_reserved -= 1;
-        st_.alloc_failures += 1;
         // Give the system back what is free, then try once more.
         const size_t before = st_.reserved_bytes;
         evict_until(1, 0);
         if (st_.reserved_bytes == before) return nullptr;
-        st_.reserved_bytes += cls;
-        st_.blocks_reserved += 1;
-        lock.unlock();
-        ptr = system_alloc(cls);
-        lock.lock();
-        if (ptr == nullptr) {
-          st_.reserved_bytes -= cls;
-          st_.blocks_reserved -= 1;
-          st_.alloc_failures += 1;
-          return nullptr;
-        }
+        ptr = allocate_unlocked(lock, cls);
+        if (ptr == nullptr) return nullptr;
       }
       st_.alloc_calls += 1;
       st_.allocated_bytes += cls;
-      st_.in_use_bytes += nbytes;
-      st_.blocks_in_use += 1;
-      st_.peak_in_use_bytes = std::max(st_.peak_in_use_bytes, st_.in_use_bytes);
+      note_in_use(nbytes);
       block = std::make_shared<HostBlock>(shared_from_this(), ptr, cls, nbytes, nullptr);
     }
   }
@@ -199,36 +186,62 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
   return block;
 }
 
+void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls) {
+  // Accounted before allocating so concurrent acquires respect the cap, then allocated without
+  // the lock: pinning takes about half a second per GiB.
+  st_.reserved_bytes += cls;
+  st_.blocks_reserved += 1;
+  lock.unlock();
+  void* ptr = nullptr;
+  try {
+    ptr = system_alloc(cls);
+  } catch (...) {
+    lock.lock();
+    st_.reserved_bytes -= cls;  // undo, and let the CUDA error through
+    st_.blocks_reserved -= 1;
+    throw;
+  }
+  lock.lock();
+  if (ptr == nullptr) {
+    st_.reserved_bytes -= cls;
+    st_.blocks_reserved -= 1;
+    st_.alloc_failures += 1;
+  }
+  return ptr;
+}
+
+void HostPool::note_in_use(size_t nbytes) {
+  st_.in_use_bytes += nbytes;
+  st_.blocks_in_use += 1;
+  st_.peak_in_use_bytes = std::max(st_.peak_in_use_bytes, st_.in_use_bytes);
+  high_water_ = std::max(high_water_, st_.in_use_bytes);
+}
+
 void HostPool::reserve(size_t nbytes, size_t count) {
   const size_t cls = round_size(nbytes);
   for (size_t i = 0; i < count; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
-        throw std::runtime_error("ckpt_offload: reserve(" + std::to_string(nbytes) + ") would exceed the pool's capacity of " +
-                                 std::to_string(st_.capacity_bytes) + " bytes (" +
-                                 std::to_string(st_.reserved_bytes) + " reserved)");
-      }
-      st_.reserved_bytes += cls;
-      st_.blocks_reserved += 1;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
+      throw std::runtime_error("ckpt_offload: reserve(" + std::to_string(nbytes) + ") would exceed the pool's capacity of " +
+                               std::to_string(st_.capacity_bytes) + " bytes (" +
+                               std::to_string(st_.reserved_bytes) + " reserved)");
     }
-    void* ptr = system_alloc(cls);
-    std::lock_guard<std::mutex> lock(mu_);
+    void* ptr = allocate_unlocked(lock, cls);
     if (ptr == nullptr) {
-      st_.reserved_bytes -= cls;
-      st_.blocks_reserved -= 1;
-      st_.alloc_failures += 1;
       throw std::runtime_error("ckpt_offload: the system refused a host allocation of " + std::to_string(cls) +
                                " bytes" + (pinned_ ? " (pinned)" : ""));
     }
     st_.alloc_calls += 1;
     st_.allocated_bytes += cls;
+    reserve_floor_ += cls;
     free_.emplace(cls, FreeBlock{ptr, cls, nullptr});
   }
 }
 
 size_t HostPool::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
+  reserve_floor_ = 0;
+  high_water_ = st_.in_use_bytes;
   size_t freed = 0;
   for (auto it = free_.begin(); it != free_.end();) {
     if (!event_done(it->second.last_use)) {
@@ -253,7 +266,9 @@ void HostPool::set_capacity(size_t bytes) {
 
 PoolStats HostPool::stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return st_;
+  PoolStats out = st_;
+  out.high_water_bytes = high_water_;
+  return out;
 }
 
 void HostPool::reset_stats() {

@@ -18,7 +18,8 @@ class HostPool;
 struct PoolStats {
   uint64_t reserved_bytes = 0;     // host memory currently held by the pool (free + in use)
   uint64_t in_use_bytes = 0;       // bytes requested by the blocks handed out now
-  uint64_t peak_in_use_bytes = 0;  // the largest in_use_bytes since creation or reset_peak()
+  uint64_t peak_in_use_bytes = 0;  // the largest in_use_bytes since creation or reset_stats()
+  uint64_t high_water_bytes = 0;   // the largest in_use_bytes since creation or empty_cache()
   uint64_t blocks_reserved = 0;
   uint64_t blocks_in_use = 0;
   uint64_t alloc_calls = 0;        // cudaHostAlloc / aligned_alloc calls that succeeded
@@ -88,8 +89,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // The size a request is rounded to: 16 classes per power of two above 8 KiB (waste < 6.25%),
   // multiples of 512 bytes below. Exposed for tests.
   static size_t round_size(size_t nbytes);
-  // Reserved bytes may reach this multiple of the peak bytes in use before free blocks are evicted.
+  // Reserved bytes may reach this multiple of the high-water bytes in use (plus what reserve()
+  // asked for) before free blocks are evicted to make room for a new one.
   static constexpr double kSlack = 1.1;
+  // A request may take a free block up to this much larger than its own size class.
+  static constexpr double kOversize = 1.25;
 
  private:
   explicit HostPool(bool pinned);
@@ -104,11 +108,16 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   void system_free(void* ptr);
   // Frees free blocks (completed ones first) until `reserved_ + extra <= limit`; caller holds mu_.
   void evict_until(size_t extra, size_t limit);
+  void note_in_use(size_t nbytes);  // caller holds mu_
+  // Allocates a class-sized block with mu_ released meanwhile; nullptr when refused.
+  void* allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls);
 
   const bool pinned_;
   std::mutex mu_;
   std::multimap<size_t, FreeBlock> free_;  // capacity -> block
   PoolStats st_;
+  uint64_t high_water_ = 0;    // not reset by reset_stats(): the eviction policy's reference
+  size_t reserve_floor_ = 0;   // bytes pre-allocated by reserve(), kept until empty_cache()
   std::atomic<uint64_t> inject_failures_{0};
 };
 

@@ -494,3 +494,31 @@ def test_torch_compile_matches_compiled_plain_checkpointing():
         out[offload] = grads(model)
     assert_bitwise(out[True], out[False])
     assert ckpt_offload.stats()["bytes_offloaded"] == 2 * INPUT_BYTES
+
+
+def test_conjugate_and_negative_views_stay_on_device_and_stay_right():
+    x = torch.randn(32, 32, dtype=torch.complex64, requires_grad=True)
+    y = torch.randn(32, 32, requires_grad=True)
+    with ckpt_offload.offload_activations(min_bytes=0):
+        a = (x * 1).conj()  # lazy conjugate: offloading raw bytes would lose it
+        b = torch._neg_view(y * 1)
+        out = (a * a).real.sum() + (b * b).sum()
+    out.backward()
+    gx, gy = x.grad.clone(), y.grad.clone()
+    x.grad = y.grad = None
+    a = (x * 1).conj()
+    b = torch._neg_view(y * 1)
+    ((a * a).real.sum() + (b * b).sum()).backward()
+    assert torch.equal(gx, x.grad) and torch.equal(gy, y.grad)
+    with pytest.raises(ValueError, match="conjugate or negative bit"):
+        ckpt_offload.CopyEngine("cpu", ckpt_offload.HostPool(pinned=False)).offload(torch.randn(3, dtype=torch.complex64).conj())
+
+
+def test_keep_last_context_prefetches_the_first_tensor_backward_needs():
+    xs = [torch.full((256,), float(i)) * 1 for i in range(4)]
+    session = ckpt_offload.OffloadSession(keep_last=1, prefetch=1)
+    packed = [session.pack(x) for x in xs]  # 0, 1, 2 offloaded; 3 waits on the device
+    assert [p.kept is None for p in packed] == [True, True, True, False]
+    assert session.unpack(packed[3]) is xs[3]
+    # Reaching the kept tensor starts the reload of the newest offloaded one, not an older one.
+    assert [p.record.handle.state for p in packed[:3]] == ["on_host", "on_host", "prefetching"]

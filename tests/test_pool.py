@@ -193,3 +193,46 @@ def test_global_pool_is_pinned_on_gpu():
     assert b.tensor().is_pinned()
     del b
     assert torch.cuda.is_available()
+
+
+def test_shapes_that_alternate_share_blocks():
+    # Dynamic padding: two shapes 10% apart, alternating step by step. After the larger one has
+    # been seen, the smaller one reuses its blocks: no allocation, no free, every step.
+    pool = ckpt_offload.HostPool(pinned=False)
+    small, large = 10 * MiB, 11 * MiB
+    for step in range(12):
+        held = [pool.acquire(small if step % 2 == 0 else large) for _ in range(8)]
+        held.clear()
+        if step == 1:
+            s1 = pool.stats()
+    s = pool.stats()
+    assert s["alloc_calls"] == s1["alloc_calls"] and s["free_calls"] == s1["free_calls"]
+    assert s["reserved_bytes"] <= 1.1 * s["high_water_bytes"]
+
+
+def test_reset_stats_does_not_shrink_the_steady_state():
+    pool = ckpt_offload.HostPool(pinned=False)
+    sizes = [4 * MiB, 3 * MiB, 2 * MiB]
+    for _ in range(2):
+        held = [pool.acquire(n) for n in sizes]
+        held.clear()
+    allocs = pool.stats()["alloc_calls"]
+    for _ in range(5):
+        pool.reset_stats()  # per-step resets, as a training loop might do
+        held = [pool.acquire(n) for n in sizes]
+        held.clear()
+        s = pool.stats()
+        assert s["alloc_calls"] == 0 and s["free_calls"] == 0 and s["hits"] == len(sizes)
+    assert allocs == len(sizes)
+
+
+def test_reserved_blocks_survive_small_requests():
+    pool = ckpt_offload.HostPool(pinned=False)
+    pool.reserve(8 * MiB, count=4)
+    b = pool.acquire(MiB)  # another class: allocated, and the reserve is not evicted for it
+    s = pool.stats()
+    assert s["free_calls"] == 0 and s["reserved_bytes"] == 4 * 8 * MiB + MiB
+    held = [pool.acquire(8 * MiB) for _ in range(4)]
+    assert pool.stats()["alloc_calls"] == 5
+    del b, held
+    assert pool.empty_cache() == 4 * 8 * MiB + MiB

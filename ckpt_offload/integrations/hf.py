@@ -48,9 +48,10 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         every_n_layers=every_n_layers,
         offload=False,
     )
+    _forget(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
-    model.__dict__[_STATE_ATTR] = (checkpointed, [])
+    model.__dict__[_STATE_ATTR] = (checkpointed, [], [])
     if not offload:
         return checkpointed
     if keep_last > len(checkpointed):
@@ -70,19 +71,33 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
             if m.gradient_checkpointing:
                 m._gradient_checkpointing_func = func
-    model.__dict__[_STATE_ATTR] = (checkpointed, offloaded)
+    # Weights and buffers a layer receives positionally are never offloaded; finished copies
+    # free their sources after each forward.
+    hooks = [
+        model.register_forward_pre_hook(lambda module, args: session.exclude_module_tensors(module)),
+        model.register_forward_hook(lambda *_: session.poll()),
+    ]
+    model.__dict__[_STATE_ATTR] = (checkpointed, offloaded, hooks)
     return checkpointed
 
 
 def disable(model) -> None:
     """transformers' gradient_checkpointing_disable(), and forgets the offload settings."""
     model.gradient_checkpointing_disable()
-    model.__dict__.pop(_STATE_ATTR, None)
+    _forget(model)
+
+
+def _forget(model):
+    previous = model.__dict__.pop(_STATE_ATTR, None)
+    if previous is not None:
+        for hook in previous[2]:
+            hook.remove()
 
 
 def state(model):
     """(checkpointed indices, offloaded indices) set by enable(), or None."""
-    return model.__dict__.get(_STATE_ATTR)
+    st = model.__dict__.get(_STATE_ATTR)
+    return None if st is None else (st[0], st[1])
 
 
 class OffloadCallback(TrainerCallback):
