@@ -997,6 +997,23 @@ def _refusal_warnings(records):
     ]
 
 
+def _bounded_steps(model, ids, pool, n, what):
+    """n training steps under a deadlock guard: per step (grads, pool bytes in use), and warnings."""
+
+    def steps():
+        out = []
+        for _ in range(n):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, ids).backward()
+            out.append((grads(model), pool.stats()["in_use_bytes"]))
+        return out
+
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        results = run_bounded(steps, what)
+    return results, records
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_cap_keeps_tensors_on_device_with_one_warning(device, test_cpu, private_engine):
     """PITFALLS 7: a cap makes tensors stay on the device with a warning instead of failing."""
@@ -1008,18 +1025,7 @@ def test_host_cap_keeps_tensors_on_device_with_one_warning(device, test_cpu, pri
     act = ids.numel() * 32 * 4
     pool.set_capacity(ckpt_offload.HostPool.round_size(act))  # room for one layer input
     try:
-
-        def three_steps():
-            out = []
-            for _ in range(3):
-                model.zero_grad(set_to_none=True)
-                loss_of(model, ids).backward()
-                out.append((grads(model), pool.stats()["in_use_bytes"]))
-            return out
-
-        with warnings.catch_warnings(record=True) as records:
-            warnings.simplefilter("always")
-            results = run_bounded(three_steps, "a training step with the host pool at its cap")
+        results, records = _bounded_steps(model, ids, pool, 3, "a training step with the host pool at its cap")
     finally:
         pool.set_capacity(0)
     for step, (got, used) in enumerate(results):
@@ -1044,18 +1050,7 @@ def test_refused_pinned_allocation_falls_back_to_device(device, failures, test_c
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
     pool.inject_alloc_failures(failures)
     try:
-
-        def two_steps():
-            out = []
-            for _ in range(2):
-                model.zero_grad(set_to_none=True)
-                loss_of(model, ids).backward()
-                out.append((grads(model), pool.stats()["in_use_bytes"]))
-            return out
-
-        with warnings.catch_warnings(record=True) as records:
-            warnings.simplefilter("always")
-            results = run_bounded(two_steps, "a training step whose host allocations fail")
+        results, records = _bounded_steps(model, ids, pool, 2, "a training step whose host allocations fail")
     finally:
         pool.inject_alloc_failures(0)
     for step, (got, used) in enumerate(results):
