@@ -15,6 +15,8 @@ build=${1:-build-cmake}
 [[ $# -gt 0 ]] && shift
 [[ $build = /* ]] || build=$root/$build
 python=${PYTHON:-$root/.venv/bin/python}
+# CMake runs from the build dir: a relative interpreter path would not resolve there.
+[[ $python == */* && $python != /* ]] && python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 
 if ! "$python" -c "import torch, pybind11" 2>/dev/null; then
