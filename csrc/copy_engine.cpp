@@ -139,6 +139,10 @@ CopyEngine::CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool)
     CKPT_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking));
     d2h_stream_ = d2h;
     h2d_stream_ = h2d;
+    if (!pool_->pinned()) {
+      TORCH_WARN("CopyEngine(", device_, "): the pool is not pinned, so every copy to it is synchronous ",
+                 "and cannot overlap compute; use HostPool() (pinned when CUDA is usable)");
+    }
   }
 #endif
 }
