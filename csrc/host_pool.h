@@ -93,7 +93,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // asked for) before free blocks are evicted to make room for a new one.
   static constexpr double kSlack = 1.1;
   // A request may take a free block up to this much larger than its own size class.
-  static constexpr double kOversize = 1.25;
+  static constexpr double kOversize = 1.125;
 
  private:
   explicit HostPool(bool pinned);
