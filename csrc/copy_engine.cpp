@@ -289,7 +289,24 @@ void CopyEngine::refresh_state_locked(OffloadHandle& h) {
   if (h.state_ == HandleState::kOffloading && event_done(h.d2h_done_)) h.state_ = HandleState::kOnHost;
 }
 
-void CopyEngine::prefetch_locked(OffloadHandle& h) {
+at::Tensor CopyEngine::allocate_dest(const OffloadHandle& h) {
+  const at::TensorOptions opts = at::TensorOptions().dtype(h.dtype_).device(h.device_);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  // On the current stream of the handle's device: the memory belongs to the stream that uses it.
+  if (cuda_) {
+    c10::cuda::CUDAGuard guard(device_.index());
+    return at::empty({h.span_elems_}, opts);
+  }
+#endif
+  return at::empty({h.span_elems_}, opts);
+}
+
+bool CopyEngine::needs_reload(const HandlePtr& h) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return h->state_ == HandleState::kOffloading || h->state_ == HandleState::kOnHost;
+}
+
+void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
   switch (h.state_) {
     case HandleState::kPrefetching:
     case HandleState::kFetched:
@@ -299,9 +316,10 @@ void CopyEngine::prefetch_locked(OffloadHandle& h) {
     default:
       break;
   }
-  const at::TensorOptions opts = at::TensorOptions().dtype(h.dtype_).device(h.device_);
+  // Normally allocated by the caller before taking the lock (allocation can reach Python
+  // dispatch modes, which take the GIL); allocated here only if the state changed meanwhile.
+  h.dest_ = fresh.defined() ? std::move(fresh) : allocate_dest(h);
   if (h.nbytes_ == 0) {
-    h.dest_ = at::empty({h.span_elems_}, opts);
     h.state_ = HandleState::kPrefetching;
     return;
   }
@@ -310,8 +328,6 @@ void CopyEngine::prefetch_locked(OffloadHandle& h) {
     c10::cuda::CUDAGuard guard(device_.index());
     auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
     check_not_capturing(compute.stream(), "reload");
-    // Allocated on the compute stream, so the memory belongs to the stream that will use it.
-    h.dest_ = at::empty({h.span_elems_}, opts);
     h.dest_stream_ = compute.unwrap();
     cudaStream_t h2d = as_cuda(h2d_stream_);
     // The copy waits for the allocation point (earlier users of that memory on the compute
@@ -328,7 +344,6 @@ void CopyEngine::prefetch_locked(OffloadHandle& h) {
   } else
 #endif
   {
-    h.dest_ = at::empty({h.span_elems_}, opts);
     h.dest_.copy_(at::from_blob(h.block_->data(), {h.span_elems_}, at::TensorOptions().dtype(h.dtype_)));
   }
   h.state_ = HandleState::kPrefetching;
@@ -339,23 +354,33 @@ void CopyEngine::prefetch_locked(OffloadHandle& h) {
 void CopyEngine::prefetch(const HandlePtr& h) {
   TORCH_CHECK_VALUE(h != nullptr, "prefetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "prefetch: the handle belongs to another engine");
+  at::Tensor fresh = needs_reload(h) ? allocate_dest(*h) : at::Tensor();
+  std::vector<at::Tensor> garbage;
   std::lock_guard<std::mutex> lock(mu_);
-  prefetch_locked(*h);
+  if (h->state_ == HandleState::kPrefetching || h->state_ == HandleState::kFetched) {
+    garbage.push_back(std::move(fresh));  // another thread started it meanwhile
+    return;
+  }
+  prefetch_locked(*h, std::move(fresh));
 }
 
 at::Tensor CopyEngine::fetch(const HandlePtr& h) {
   TORCH_CHECK_VALUE(h != nullptr, "fetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "fetch: the handle belongs to another engine");
+  at::Tensor fresh = needs_reload(h) ? allocate_dest(*h) : at::Tensor();
   std::vector<at::Tensor> garbage;
   std::shared_ptr<HostBlock> block;
-  at::Tensor out;
+  at::Tensor dest;
+  bool other_stream = false;
+  c10::Stream current_stream(c10::Stream::DEFAULT, device_);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    garbage.push_back(fresh);  // dropped after unlocking if prefetch_locked does not take it
     TORCH_CHECK(h->state_ != HandleState::kFetched,
                 "fetch: the handle was already fetched; expected state offloading, on_host or prefetching");
     TORCH_CHECK(h->state_ != HandleState::kReleased,
                 "fetch: the handle was released; expected state offloading, on_host or prefetching");
-    prefetch_locked(*h);
+    prefetch_locked(*h, std::move(fresh));
 #ifdef CKPT_OFFLOAD_WITH_CUDA
     if (cuda_ && h->h2d_done_) {
       c10::cuda::CUDAGuard guard(device_.index());
@@ -373,20 +398,22 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
         wait_samples_.push_back({start, end});
         if (wait_samples_.size() > 4096) fold_wait_samples_locked();  // stats() never called
       }
-      // Fetched on another stream than the one that allocated it: tell the allocator, or the
-      // memory could be reused while this stream still reads it.
-      if (current.unwrap() != h->dest_stream_) h->dest_.record_stream(current.unwrap());
+      other_stream = current.unwrap() != h->dest_stream_;
+      current_stream = current.unwrap();
     }
 #endif
-    out = h->dest_.as_strided(h->sizes_, h->strides_, h->dest_.storage_offset());
-    garbage.push_back(std::move(h->dest_));
+    dest = std::move(h->dest_);
     h->dest_ = at::Tensor();
     block = std::move(h->block_);  // back to the pool, tagged with the reload's event
     h->state_ = HandleState::kFetched;
     st_.tensors_fetched += 1;
     poll_locked(garbage);
   }
-  return out;
+  // Outside the lock: these reach the dispatcher (and possibly Python dispatch modes).
+  // Fetched on another stream than the one that allocated it: tell the allocator, or the memory
+  // could be reused while this stream still reads it.
+  if (other_stream) dest.record_stream(current_stream);
+  return dest.as_strided(h->sizes_, h->strides_, dest.storage_offset());
 }
 
 void CopyEngine::release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage) {

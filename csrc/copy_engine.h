@@ -109,7 +109,9 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   // Releases under the lock and hands back what must be destroyed after unlocking: dropping a
   // tensor can take the GIL, which another thread may hold while waiting for this lock.
   void release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage);
-  void prefetch_locked(OffloadHandle& h);
+  void prefetch_locked(OffloadHandle& h, at::Tensor fresh);
+  at::Tensor allocate_dest(const OffloadHandle& h);
+  bool needs_reload(const HandlePtr& h);
   void poll_locked(std::vector<at::Tensor>& garbage);
   void refresh_state_locked(OffloadHandle& h);
   void fold_wait_samples_locked();
