@@ -63,7 +63,7 @@ class _Packed:
 
 
 def _modified_error(packed, now):
-    t = packed.kept if packed.kept is not None else None
+    t = packed.kept
     what = f"{t.type()} {list(t.shape)}" if t is not None else "an offloaded tensor"
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -96,8 +96,8 @@ class OffloadSession:
         self._refs: list = []  # weakrefs to the records, aligned with _seqs
         self._next_seq = 0
         self._compact_at = 64
-        self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype, version)]
-        self._deferred: list = []  # keep-last queue: (_Packed, tensor)
+        self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype)]
+        self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
         self._module_ptrs: set = set()
         self._module_hook = None
