@@ -194,13 +194,14 @@ def test_no_grad_and_inference_mode_are_noops():
     assert ckpt_offload.stats()["tensors_offloaded"] == 0
 
 
-def test_autocast_bf16_matches_plain_checkpointing():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_matches_plain_checkpointing(dtype):
     ids = make_batch()
     out = {}
     for offload in (False, True):
         model = make_model()
         ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=offload, keep_last=1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             loss = loss_of(model, ids)
         loss.backward()
         out[offload] = grads(model)
