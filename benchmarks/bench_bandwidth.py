@@ -87,7 +87,8 @@ def engine_run(eng, src, k, tiny):
 
 def engine_method(size, k, reps):
     pool = ckpt_offload.HostPool(pinned=True)
-    eng = ckpt_offload.CopyEngine(torch.device("cuda"), pool)
+    # A CUDA engine needs an explicit device index (only engine_for() fills in the current one).
+    eng = ckpt_offload.CopyEngine(torch.device("cuda", torch.cuda.current_device()), pool)
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
     tiny = torch.zeros(512, dtype=torch.uint8, device="cuda")
     # Correctness and warm-up: the first run fills the pool and the device caching allocator.
