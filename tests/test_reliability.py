@@ -1311,11 +1311,21 @@ _GRAPH_SCRIPT = textwrap.dedent(
         def forward(self, x):
             return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
+    class Net(nn.Module):
+        def __init__(self, offload):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(256) for _ in range(4))
+            self.offload = offload
+        def forward(self, x):
+            for block in self.blocks:
+                # preserve_rng_state=False: torch's checkpoint reads the CUDA RNG state otherwise,
+                # which torch refuses during capture before the offload is ever reached.
+                x = ckpt_offload.checkpoint(block, x, offload=self.offload, preserve_rng_state=False)
+            return x
+
     def build(offload):
         torch.manual_seed(0)
-        m = nn.Sequential(*[Block(256) for _ in range(4)]).cuda()
-        ckpt_offload.enable_checkpointing(m, offload=offload, keep_last=0)
-        return m
+        return Net(offload).cuda()
 
     def chain(err):
         out = []
