@@ -20,7 +20,7 @@ import torch
 import ckpt_offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import fmt_bytes, hardware_info, print_table  # noqa: E402
+from bench_step import fmt_bytes, hardware_info, print_table, progress_bar  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_LABEL = "CPU host path (no GPU): not representative of a GPU link"
@@ -247,7 +247,11 @@ def print_host(acq, rt, gpu):
 
 
 def plot(result, out_dir):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (the JSON holds every figure)")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -294,10 +298,8 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t0 = time.monotonic()
     result = dict(kind="bench_bandwidth", gpu=gpu, hardware=hardware_info(), config=vars(a), problems=[])
-    from tqdm import tqdm
-
     total = len(a.size_list) * 3 if gpu else 4 + 6
-    with tqdm(total=total, file=sys.stderr, leave=False) as bar:
+    with progress_bar(total) as bar:
         if gpu:
             result["gpu_rows"] = gpu_rows(a, bar, result["problems"])
         # The pool's own cost is measured on every machine (pinned blocks where CUDA is usable).

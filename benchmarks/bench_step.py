@@ -504,7 +504,11 @@ def print_results(rows, saves, cuda, base, title):
 
 
 def plot(rows, a, out_dir, prefix, base):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (the JSON holds every figure)")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -551,6 +555,31 @@ def plot(rows, a, out_dir, prefix, base):
 
 
 # -- driver ---------------------------------------------------------------------------------------
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def set_description(self, *_):
+        pass
+
+    def update(self, *_):
+        pass
+
+
+def progress_bar(total):
+    """A tqdm bar on stderr when tqdm is installed (transformers depends on it), else a silent one."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, file=sys.stderr, leave=False)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", choices=sorted(CONFIGS), help="small without a GPU, standard with one")
@@ -650,10 +679,8 @@ def main(argv=None):
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
-    from tqdm import tqdm
-
     total = len(a.seq_list) * (len(HF_MODES) if a.hf else len(a.mode_list))
-    with tqdm(total=total, file=sys.stderr, leave=False) as bar:
+    with progress_bar(total) as bar:
         if a.hf:
             rows, problems = run_hf(a, device, cuda, bar)
             add_ratios(rows, "hf_gc")

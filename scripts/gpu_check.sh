@@ -130,7 +130,9 @@ if step:
         print(f"saving {s['mode']} vs {s['vs']} @ {s['seq']}: theoretical {gib(s['theoretical_bytes'])} GiB, "
               f"measured {gib(s['measured_bytes'])} GiB"
               + (f" ({100 * s['fraction']:.0f}%)" if s.get("fraction") is not None else ""))
-    print("checks:", "; ".join(step.get("problems") or []) or "passed")
+    # "problems" is written last: without it the script stopped early (time limit or crash).
+    print("checks:", ("; ".join(step["problems"]) or "passed") if "problems" in step
+          else "INCOMPLETE: the script did not finish (see step.log)")
 hf = load("hf/bench_step_hf.json")
 if hf:
     print("\ntransformers LlamaForCausalLM")
@@ -138,7 +140,8 @@ if hf:
           [[r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", ratio(r.get("time_vs_hf_gc")), gib(r["peak_device_bytes"]),
             ratio(r.get("peak_vs_hf_gc"))] if "step_ms_median" in r else [r["mode"], r["seq"], r.get("skipped") or r.get("error"), "", "", ""]
            for r in hf["rows"]])
-    print("checks:", "; ".join(hf.get("problems") or []) or "passed")
+    print("checks:", ("; ".join(hf["problems"]) or "passed") if "problems" in hf
+          else "INCOMPLETE: the script did not finish (see hf.log)")
 bw = load("bandwidth/bench_bandwidth.json")
 if bw and bw.get("gpu_rows"):
     rows = bw["gpu_rows"]
