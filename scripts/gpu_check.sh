@@ -63,10 +63,10 @@ build() {
 assert i['with_cuda'] and i['cuda_usable'], 'the extension cannot use the GPU'"
 }
 
-# The files that hold GPU tests (marker `gpu`, and the cuda params of DEVICES). Not test_hf.py or
-# test_property.py: collecting them imports transformers / hypothesis (seconds of the budget, and
-# a collection error there would stop every test from running).
-GPU_TEST_FILES="tests/test_checkpoint.py tests/test_distributed.py tests/test_engine.py tests/test_pool.py tests/test_reliability.py"
+# Only the files that hold GPU tests (marker `gpu`, or the cuda param of DEVICES): today not
+# test_hf.py or test_property.py, whose collection imports transformers / hypothesis (seconds of the
+# budget, and an import error there would stop every test from running).
+GPU_TEST_FILES=$(grep -lE 'mark\.gpu|DEVICES' tests/test_*.py | tr '\n' ' ')
 
 gpu_tests() {
   if ! "$PY" -c "import pytest" 2>/dev/null; then
@@ -74,6 +74,11 @@ gpu_tests() {
     return 4
   fi
   local txt="$OUT/tests_gpu.pytest.txt" rc
+  if [ -z "$GPU_TEST_FILES" ]; then
+    echo "no test file marks GPU tests: GPU tests not run"
+    return 4
+  fi
+  echo "GPU test files: $GPU_TEST_FILES"
   # shellcheck disable=SC2086
   "$PY" -m pytest $GPU_TEST_FILES -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
     -rfEs --durations=15 --junitxml="$OUT/tests_gpu.xml" 2>&1 | tee "$txt"
