@@ -163,7 +163,19 @@ CopyEngine::~CopyEngine() {
 }
 
 std::shared_ptr<CopyEngine> CopyEngine::create(c10::Device device, std::shared_ptr<HostPool> pool) {
-  return std::shared_ptr<CopyEngine>(new CopyEngine(device, std::move(pool)));
+  return std::shared_ptr<CopyEngine>(new CopyEngine(with_index(device), std::move(pool)));
+}
+
+c10::Device CopyEngine::with_index(c10::Device device) {
+  // "cuda" means the current device, as it does for tensors.
+  if (device.is_cuda() && !device.has_index()) {
+    int current = 0;
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (cuda_runtime_usable()) CKPT_CUDA_CHECK(cudaGetDevice(&current));
+#endif
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(current));
+  }
+  return device;
 }
 
 std::shared_ptr<HostPool> CopyEngine::global_pool() {
@@ -172,15 +184,7 @@ std::shared_ptr<HostPool> CopyEngine::global_pool() {
 }
 
 std::shared_ptr<CopyEngine> CopyEngine::for_device(c10::Device device) {
-  if (device.is_cuda() && !device.has_index()) {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-    int current = 0;
-    if (cuda_runtime_usable()) CKPT_CUDA_CHECK(cudaGetDevice(&current));
-    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(current));
-#else
-    device = c10::Device(c10::kCUDA, 0);
-#endif
-  }
+  device = with_index(device);
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto& slot = registry()[device.str()];
   if (!slot) slot = create(device, global_pool());

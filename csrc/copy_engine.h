@@ -81,6 +81,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   static std::shared_ptr<HostPool> global_pool();
   static void set_profiling(bool on);
   static bool profiling();
+  static c10::Device with_index(c10::Device device);
   ~CopyEngine();
 
   // Starts the copy to host and returns at once; nullptr when the pool refused a block.

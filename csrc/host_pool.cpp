@@ -136,16 +136,18 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
     // that differ a little from step to step share blocks instead of allocating every step).
     // Among those, one whose last copy has completed; else the smallest, which the writer then
     // orders itself after, rather than allocating in the steady state.
+    // Preference: exact class and idle, exact class with a copy still reading it, larger and
+    // idle, larger and busy; the first that exists wins.
     const size_t largest = static_cast<size_t>(static_cast<double>(cls) * kOversize);
-    auto first = free_.lower_bound(cls);
     auto pick = free_.end();
-    for (auto it = first; it != free_.end() && it->first <= largest; ++it) {
-      if (event_done(it->second.last_use)) {
+    int best = 4;
+    for (auto it = free_.lower_bound(cls); it != free_.end() && it->first <= largest && best > 0; ++it) {
+      const int rank = (it->first == cls ? 0 : 2) + (event_done(it->second.last_use) ? 0 : 1);
+      if (rank < best) {
+        best = rank;
         pick = it;
-        break;
       }
     }
-    if (pick == free_.end() && first != free_.end() && first->first <= largest) pick = first;
 
     if (pick != free_.end()) {
       FreeBlock fb = pick->second;

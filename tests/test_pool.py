@@ -236,3 +236,14 @@ def test_reserved_blocks_survive_small_requests():
     assert pool.stats()["alloc_calls"] == 5
     del b, held
     assert pool.empty_cache() == 4 * 8 * MiB + MiB
+
+
+def test_exact_class_preferred_over_a_larger_free_block():
+    pool = ckpt_offload.HostPool(pinned=False)
+    big, exact = pool.acquire(11 * MiB), pool.acquire(10 * MiB)
+    del big, exact  # both free now
+    b = pool.acquire(10 * MiB)
+    assert b.capacity == ckpt_offload.HostPool.round_size(10 * MiB)
+    c = pool.acquire(10 * MiB)  # the exact class is taken: the 10% larger block serves
+    assert c.capacity == ckpt_offload.HostPool.round_size(11 * MiB)
+    assert pool.stats()["alloc_calls"] == 2
