@@ -49,6 +49,15 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+def checkpoint_function(session, keep=False, **checkpoint_kwargs):
+    """A `_gradient_checkpointing_func` for transformers layers: checkpoints through `session`."""
+
+    def func(function, *args, **kwargs):
+        return run_checkpoint(session, function, args, {**checkpoint_kwargs, **kwargs}, keep)
+
+    return func
+
+
 def checkpoint(function, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
     """Drop-in for torch.utils.checkpoint.checkpoint (non-reentrant only).
 

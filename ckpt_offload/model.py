@@ -7,7 +7,7 @@ import sys
 import torch
 from torch import nn
 
-from .checkpointing import run_checkpoint, warn_kwarg_tensors
+from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
 from .hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_state"
@@ -67,13 +67,6 @@ _MISSING = object()
 def _set(saved, module, name, value):
     saved.append((module, name, module.__dict__.get(name, _MISSING)))
     setattr(module, name, value)
-
-
-def _hf_checkpoint_func(session, keep):
-    def func(function, *args, **kwargs):
-        return run_checkpoint(session, function, args, kwargs, keep)
-
-    return func
 
 
 def _wrap(module: nn.Module, session, keep):
@@ -160,7 +153,7 @@ def enable_checkpointing(
                 _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
         for i in checkpointed:
             _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", _hf_checkpoint_func(session, i not in offloaded))
+            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, i not in offloaded))
     else:
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))

@@ -6,7 +6,6 @@ OffloadCallback does the same for a Trainer run from its TrainingArguments.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 try:
@@ -18,14 +17,10 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
     ) from err
 
-from ..checkpointing import run_checkpoint
+from ..checkpointing import checkpoint_function
 from ..hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_hf"
-
-
-def _checkpoint_func(session, keep, ckpt_kwargs, function, *args, **kwargs):
-    return run_checkpoint(session, function, args, {**ckpt_kwargs, **kwargs}, keep)
 
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 2,
@@ -61,8 +56,8 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last]
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    func = functools.partial(_checkpoint_func, session, False, checkpoint_kwargs)
-    kept = functools.partial(_checkpoint_func, session, True, checkpoint_kwargs)
+    func = checkpoint_function(session, False, **checkpoint_kwargs)
+    kept = checkpoint_function(session, True, **checkpoint_kwargs)
     for i in checkpointed:
         # The kept layers still mark where backward reaches them, to start earlier reloads.
         layers[i]._gradient_checkpointing_func = func if i in offloaded else kept
