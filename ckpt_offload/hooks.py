@@ -62,6 +62,16 @@ class _Packed:
         self.stream = None  # the producer's stream, for a send deferred by the keep-last queue
 
 
+def _attach(packed, rec, counter, view):
+    """Points packed at rec's copy (as a view of it when view is True) and lets go of the tensor."""
+    t = packed.kept
+    if view:
+        packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - rec.storage_offset)
+    packed.record = rec
+    packed.counter = counter
+    packed.kept = None
+
+
 def _modified_error(packed, now):
     t = packed.kept
     what = f"{t.type()} {list(t.shape)}" if t is not None else "an offloaded tensor"
@@ -195,11 +205,8 @@ class OffloadSession:
                     and r_start <= start
                     and end <= r_end
                 ):
-                    packed.record = rec
-                    packed.view = (tuple(t.shape), tuple(t.stride()), start - rec.storage_offset)
-                    packed.counter = counter
-                    packed.kept = None
                     _engine.count("shared_views")
+                    _attach(packed, rec, counter, view=True)
                     return
         src = t
         if end - start > t.numel():
@@ -235,11 +242,7 @@ class OffloadSession:
                 entries.append((weakref.ref(rec), start, end, t.dtype))
                 if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
-        packed.record = rec
-        packed.counter = counter
-        packed.kept = None
-        if src is not t:
-            packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        _attach(packed, rec, counter, view=src is not t)
 
     def _compact(self):
         # Records of graphs that died without backward leave dead entries; drop them with a

@@ -447,17 +447,22 @@ def test_gpu_memory_after_forward_drops_by_offloaded_bytes():
     assert used[False] - used[True] == moved
 
 
+def _gpu_reference_and_offloaded(ids):
+    """Gradients of plain checkpointing on ids, and a fresh same-weights model with offload on."""
+    ref = _gpu_model()
+    ckpt_offload.enable_checkpointing(ref, offload=False)
+    loss_of(ref, ids).backward()
+    model = _gpu_model()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    return grads(ref), model
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_bitwise_over_many_steps_with_busy_stream():
     ids = make_batch(device="cuda", batch=4, seq=256)
     with _deterministic_attention():
-        ref = _gpu_model()
-        ckpt_offload.enable_checkpointing(ref, offload=False)
-        loss_of(ref, ids).backward()
-        expected = grads(ref)
-        model = _gpu_model()
-        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+        expected, model = _gpu_reference_and_offloaded(ids)
         for step in range(50):
             model.zero_grad(set_to_none=True)
             torch.cuda._sleep(1_000_000)  # the compute stream lags far behind the host
@@ -474,11 +479,7 @@ def test_gpu_bitwise_over_many_steps_with_busy_stream():
 def test_gpu_forward_under_user_stream():
     ids = make_batch(device="cuda", batch=2, seq=128)
     with _deterministic_attention():
-        ref = _gpu_model()
-        ckpt_offload.enable_checkpointing(ref, offload=False)
-        loss_of(ref, ids).backward()
-        model = _gpu_model()
-        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+        expected, model = _gpu_reference_and_offloaded(ids)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -486,7 +487,7 @@ def test_gpu_forward_under_user_stream():
             loss.backward()
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
-    got, expected = grads(model), grads(ref)
+    got = grads(model)
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
 

@@ -300,6 +300,16 @@ def test_forward_without_backward_returns_every_block(device, case, how, test_cp
         assert torch.cuda.memory_allocated() <= base_device, f"{case}: device memory not returned"
 
 
+def _objects_grown(run, warm, n):
+    """Live Python objects added by run(n) after a warm-up of run(warm)."""
+    run(warm)
+    gc.collect()
+    before = len(gc.get_objects())
+    run(n)
+    gc.collect()
+    return len(gc.get_objects()) - before
+
+
 def test_forward_only_loop_keeps_bookkeeping_bounded(test_cpu):
     """PITFALLS 6: forwards whose backward never runs (grad on, loss dropped), many times: the
     Python-side bookkeeping must not grow with the number of forwards."""
@@ -311,12 +321,7 @@ def test_forward_only_loop_keeps_bookkeeping_bounded(test_cpu):
         for _ in range(n):
             model(torch.randn(4, 16)).sum()  # a fresh input each time, graph dropped at once
 
-    forwards(300)
-    gc.collect()
-    before = len(gc.get_objects())
-    forwards(1000)
-    gc.collect()
-    grown = len(gc.get_objects()) - before
+    grown = _objects_grown(forwards, warm=300, n=1000)
     assert in_use() == 0
     # 4000 offloads happened; bounded caches may hold a few hundred objects, not one per offload.
     assert grown < 2000, f"{grown} more live objects after 1000 forward-only steps (4000 offloads)"
@@ -335,12 +340,7 @@ def test_training_loop_reusing_one_input_keeps_bookkeeping_bounded(test_cpu):
             model.zero_grad(set_to_none=True)
             model(x).sum().backward()
 
-    steps(300)
-    gc.collect()
-    before = len(gc.get_objects())
-    steps(3000)
-    gc.collect()
-    grown = len(gc.get_objects()) - before
+    grown = _objects_grown(steps, warm=300, n=3000)
     assert in_use() == 0
     assert grown < 2000, f"{grown} more live objects after 3000 steps that offload the same input"
 
