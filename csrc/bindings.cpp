@@ -149,7 +149,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("n"), "Testing aid: the next n host allocations fail as if pinned memory ran out")
       .def_static(
           "round_size", [](int64_t n) { return HostPool::round_size(checked_size(n, "round_size: nbytes")); },
-          py::arg("nbytes"));
+          py::arg("nbytes"), "The size class (block capacity) a request of nbytes is allocated with")
+      .def_static(
+          "max_fitting_capacity",
+          [](int64_t n) { return HostPool::max_fitting_capacity(checked_size(n, "max_fitting_capacity: nbytes")); },
+          py::arg("nbytes"), "The largest free block a request of nbytes may reuse");
 
   py::class_<OffloadHandle, std::shared_ptr<OffloadHandle>>(m, "OffloadHandle")
       .def_property_readonly("state",

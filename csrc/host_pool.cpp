@@ -77,6 +77,10 @@ size_t HostPool::round_size(size_t nbytes) {
   return round_up(nbytes, size_t{1} << (log2 - 4));
 }
 
+size_t HostPool::max_fitting_capacity(size_t nbytes) {
+  return std::max(round_size(nbytes), static_cast<size_t>(kSlack * static_cast<double>(nbytes)));
+}
+
 void* HostPool::system_alloc(size_t bytes) {
   uint64_t pending = inject_failures_.load();
   while (pending > 0) {
@@ -132,13 +136,14 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
   std::shared_ptr<HostBlock> block;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    // Smallest fitting free block: the exact class first, else one up to kOversize larger (shapes
-    // that differ a little from step to step share blocks instead of allocating every step).
-    // Among those, one whose last copy has completed; else the smallest, which the writer then
-    // orders itself after, rather than allocating in the steady state.
+    // Smallest fitting free block: the exact class first, else a larger one of at most kSlack
+    // times the request (shapes that differ a little from step to step share blocks instead of
+    // allocating every step). Bounding a block by the request it serves, not by its class, keeps
+    // every block in use within kSlack of its request, so the eviction below can always bring
+    // reserved bytes back within kSlack of the high-water mark.
     // Preference: exact class and idle, exact class with a copy still reading it, larger and
     // idle, larger and busy; the first that exists wins.
-    const size_t largest = static_cast<size_t>(static_cast<double>(cls) * kOversize);
+    const size_t largest = max_fitting_capacity(nbytes);
     auto pick = free_.end();
     int best = 4;
     for (auto it = free_.lower_bound(cls); it != free_.end() && it->first <= largest && best > 0; ++it) {

@@ -92,8 +92,9 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // Reserved bytes may reach this multiple of the high-water bytes in use (plus what reserve()
   // asked for) before free blocks are evicted to make room for a new one.
   static constexpr double kSlack = 1.1;
-  // A request may take a free block up to this much larger than its own size class.
-  static constexpr double kOversize = 1.125;
+  // The largest free block a request of nbytes may take: its own size class, or up to kSlack
+  // times the request when that is larger. Exposed for tests.
+  static size_t max_fitting_capacity(size_t nbytes);
 
  private:
   explicit HostPool(bool pinned);
