@@ -43,6 +43,12 @@ _ENGINE_KEYS = (
     "pending_sources",
     "reload_wait_ms",
     "reload_waits_measured",
+    "d2h_copy_ms",
+    "d2h_bytes_timed",
+    "d2h_copies_timed",
+    "h2d_copy_ms",
+    "h2d_bytes_timed",
+    "h2d_copies_timed",
 )
 
 
@@ -70,7 +76,14 @@ def stats() -> dict:
     with _counters_lock:
         out.update(_counters)
     out["profiling"] = _C.profiling()
+    out["d2h_gb_per_s"] = _rate(out["d2h_bytes_timed"], out["d2h_copy_ms"])
+    out["h2d_gb_per_s"] = _rate(out["h2d_bytes_timed"], out["h2d_copy_ms"])
     return out
+
+
+def _rate(nbytes, ms):
+    """GB/s (1e9 bytes a second) of the timed copies; None when nothing was timed."""
+    return nbytes / ms / 1e6 if nbytes and ms > 0 else None
 
 
 def reset_stats() -> None:
@@ -85,7 +98,9 @@ def reset_stats() -> None:
 
 def profile(on: bool = True) -> None:
     """Measures, with CUDA events, how long the compute stream waits for each reload
-    (stats()['reload_wait_ms']). Off by default: it adds two events per reload."""
+    (stats()['reload_wait_ms']) and how long each copy takes on its copy stream
+    (d2h_copy_ms / h2d_copy_ms for d2h_bytes_timed / h2d_bytes_timed; on the host-only path, the
+    synchronous copies' wall time). Off by default: it adds events to every copy and reload."""
     _C.set_profiling(bool(on))
 
 

@@ -50,6 +50,12 @@ py::dict engine_stats_dict(const EngineStats& s) {
   d["pending_sources"] = s.pending_sources;
   d["reload_wait_ms"] = s.reload_wait_ms;
   d["reload_waits_measured"] = s.reload_waits_measured;
+  d["d2h_copy_ms"] = s.d2h_copy_ms;
+  d["d2h_bytes_timed"] = s.d2h_bytes_timed;
+  d["d2h_copies_timed"] = s.d2h_copies_timed;
+  d["h2d_copy_ms"] = s.h2d_copy_ms;
+  d["h2d_bytes_timed"] = s.h2d_bytes_timed;
+  d["h2d_copies_timed"] = s.h2d_copies_timed;
   return d;
 }
 

@@ -2,6 +2,7 @@
 // CUDA tensors use the engine's own streams and events; everything else copies synchronously.
 #include "copy_engine.h"
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 
@@ -238,6 +239,8 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   }
 
   std::shared_ptr<HostBlock> block;
+  CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling, CUDA: the copy's two events
+  double host_copy_ms = -1.0;                          // profiling, host path: the copy's duration
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (cuda_) {
     c10::cuda::CUDAGuard guard(device_.index());  // events, copies and pinning on this device
@@ -251,9 +254,14 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
       ready->record(compute);
       ready->block(d2h);
       if (block->pending()) block->pending()->block(d2h);  // a reload may still read this block
+      // Profiling: an event after the waits marks when the copy itself starts on its stream.
+      const bool timed = g_profiling.load();
+      EventPtr start = timed ? std::make_shared<CudaEvent>(/*timing=*/true) : nullptr;
+      if (start) start->record(d2h);
       CKPT_CUDA_CHECK(cudaMemcpyAsync(block->data(), src.data_ptr(), h->nbytes_, cudaMemcpyDeviceToHost, d2h));
-      auto done = std::make_shared<CudaEvent>();
+      auto done = std::make_shared<CudaEvent>(/*timing=*/timed);
       done->record(d2h);
+      if (start) copy_sample = CopySample{start, done, h->nbytes_, true};
       h->d2h_done_ = done;
       block->set_last_use(done);
       h->state_ = HandleState::kOffloading;
@@ -264,7 +272,9 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     block = pool_->acquire(h->nbytes_, /*wait_host=*/true);
     if (block) {
       auto host = at::from_blob(block->data(), {span}, at::TensorOptions().dtype(src.scalar_type()));
+      const auto t0 = std::chrono::steady_clock::now();
       host.copy_(src.as_strided({span}, {1}, src.storage_offset()));
+      host_copy_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       h->state_ = HandleState::kOnHost;
     }
   }
@@ -273,6 +283,12 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   if (!block) {
     st_.offloads_refused += 1;
     return nullptr;
+  }
+  if (copy_sample.start) {
+    copy_samples_.push_back(std::move(copy_sample));
+    if (copy_samples_.size() > 4096) fold_samples_locked();  // stats() never called
+  } else if (host_copy_ms >= 0.0 && g_profiling.load()) {
+    note_copy_locked(/*d2h=*/true, h->nbytes_, host_copy_ms);
   }
   poll_locked(garbage);
   if (h->state_ == HandleState::kOffloading) {
@@ -340,15 +356,27 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
     allocated->record(compute.stream());
     allocated->block(h2d);
     if (h.d2h_done_) h.d2h_done_->block(h2d);
+    const bool timed = g_profiling.load();
+    EventPtr start = timed ? std::make_shared<CudaEvent>(/*timing=*/true) : nullptr;
+    if (start) start->record(h2d);
     CKPT_CUDA_CHECK(cudaMemcpyAsync(h.dest_.data_ptr(), h.block_->data(), h.nbytes_, cudaMemcpyHostToDevice, h2d));
-    auto done = std::make_shared<CudaEvent>();
+    auto done = std::make_shared<CudaEvent>(/*timing=*/timed);
     done->record(h2d);
     h.h2d_done_ = done;
     h.block_->set_last_use(done);
+    if (start) {
+      copy_samples_.push_back({start, done, h.nbytes_, false});
+      if (copy_samples_.size() > 4096) fold_samples_locked();
+    }
   } else
 #endif
   {
+    const auto t0 = std::chrono::steady_clock::now();
     h.dest_.copy_(at::from_blob(h.block_->data(), {h.span_elems_}, at::TensorOptions().dtype(h.dtype_)));
+    if (g_profiling.load()) {
+      note_copy_locked(/*d2h=*/false, h.nbytes_,
+                       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
   }
   h.state_ = HandleState::kPrefetching;
   st_.tensors_prefetched += 1;
@@ -400,7 +428,7 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
         end = std::make_shared<CudaEvent>(/*timing=*/true);
         end->record(current.stream());
         wait_samples_.push_back({start, end});
-        if (wait_samples_.size() > 4096) fold_wait_samples_locked();  // stats() never called
+        if (wait_samples_.size() > 4096) fold_samples_locked();  // stats() never called
       }
       other_stream = current.unwrap() != h->dest_stream_;
       current_stream = current.unwrap();
@@ -474,9 +502,21 @@ void CopyEngine::synchronize() {
   poll();
 }
 
-void CopyEngine::fold_wait_samples_locked() {
+void CopyEngine::note_copy_locked(bool d2h, size_t bytes, double ms) {
+  if (d2h) {
+    st_.d2h_copy_ms += ms;
+    st_.d2h_bytes_timed += bytes;
+    st_.d2h_copies_timed += 1;
+  } else {
+    st_.h2d_copy_ms += ms;
+    st_.h2d_bytes_timed += bytes;
+    st_.h2d_copies_timed += 1;
+  }
+}
+
+void CopyEngine::fold_samples_locked() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
-  // Fold finished wait measurements into the total; unfinished ones stay for the next call.
+  // Fold finished measurements into the totals; unfinished ones stay for the next call.
   std::vector<WaitSample> open;
   for (auto& s : wait_samples_) {
     if (s.end->query()) {
@@ -487,12 +527,21 @@ void CopyEngine::fold_wait_samples_locked() {
     }
   }
   wait_samples_.swap(open);
+  std::vector<CopySample> open_copies;
+  for (auto& s : copy_samples_) {
+    if (s.end->query()) {
+      note_copy_locked(s.d2h, s.bytes, s.end->elapsed_ms_since(*s.start));
+    } else {
+      open_copies.push_back(s);
+    }
+  }
+  copy_samples_.swap(open_copies);
 #endif
 }
 
 EngineStats CopyEngine::stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  fold_wait_samples_locked();
+  fold_samples_locked();
   EngineStats out = st_;
   out.pending_sources = pending_.size();
   return out;
@@ -502,6 +551,7 @@ void CopyEngine::reset_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   st_ = EngineStats();
   wait_samples_.clear();
+  copy_samples_.clear();
 }
 
 }  // namespace ckpt_offload

@@ -30,6 +30,14 @@ struct EngineStats {
   uint64_t pending_sources = 0;   // sources still referenced because their copy has not finished
   double reload_wait_ms = 0.0;    // compute-stream time spent waiting for reloads (profiling only)
   uint64_t reload_waits_measured = 0;
+  // Profiling only: time the copies themselves took on their copy streams (events around each
+  // copy, after its waits), and the bytes of the copies measured; bytes / time is the throughput.
+  double d2h_copy_ms = 0.0;
+  uint64_t d2h_bytes_timed = 0;
+  uint64_t d2h_copies_timed = 0;
+  double h2d_copy_ms = 0.0;
+  uint64_t h2d_bytes_timed = 0;
+  uint64_t h2d_copies_timed = 0;
 };
 
 class CopyEngine;
@@ -115,7 +123,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   bool needs_reload(const HandlePtr& h);
   void poll_locked(std::vector<at::Tensor>& garbage);
   void refresh_state_locked(OffloadHandle& h);
-  void fold_wait_samples_locked();
+  void fold_samples_locked();
 
   const c10::Device device_;
   const std::shared_ptr<HostPool> pool_;
@@ -132,6 +140,13 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
     EventPtr start, end;
   };
   std::vector<WaitSample> wait_samples_;
+  struct CopySample {
+    EventPtr start, end;
+    size_t bytes;
+    bool d2h;
+  };
+  std::vector<CopySample> copy_samples_;
+  void note_copy_locked(bool d2h, size_t bytes, double ms);
   EngineStats st_;
 };
 

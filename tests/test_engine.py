@@ -251,3 +251,34 @@ def test_second_device_uses_its_own_engine():
     assert out.device == torch.device("cuda:1") and torch.equal(out, x)
     with pytest.raises(ValueError, match="given to the engine of"):
         ckpt_offload.engine_for("cuda:0").offload(x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_profiling_times_every_copy_and_only_then(device):
+    # With profiling on, every copy each way is timed with the bytes it moved, so bytes / time is
+    # the copies' own throughput; with it off, nothing is timed.
+    eng = engine(device)
+    eng.reset_stats()
+    tensors = [make((256, 1024), torch.float32, device, seed=i) for i in range(3)]
+    for t in tensors:  # profiling off
+        roundtrip(eng, t)
+    eng.synchronize()
+    s = eng.stats()
+    assert s["d2h_copies_timed"] == s["h2d_copies_timed"] == 0 and s["d2h_copy_ms"] == s["h2d_copy_ms"] == 0
+    eng.reset_stats()
+    ckpt_offload.profile(True)
+    handles = [eng.offload(t) for t in tensors]
+    outs = [eng.fetch(h) for h in handles]
+    eng.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    s = eng.stats()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert all(same(o, t) for o, t in zip(outs, tensors))
+    assert s["d2h_copies_timed"] == s["h2d_copies_timed"] == 3
+    assert s["d2h_bytes_timed"] == s["bytes_offloaded"] == nbytes
+    assert s["h2d_bytes_timed"] == s["bytes_prefetched"] == nbytes
+    assert s["d2h_copy_ms"] > 0 and s["h2d_copy_ms"] > 0
+    if eng is ckpt_offload.engine_for(device):
+        top = ckpt_offload.stats()
+        assert top["d2h_gb_per_s"] == pytest.approx(nbytes / top["d2h_copy_ms"] / 1e6)
