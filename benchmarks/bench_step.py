@@ -225,7 +225,8 @@ def inspect_step(model, ids, ctx, cuda):
 
 
 def profiled_step(model, ids, ctx, cuda):
-    """Untimed pass with profiling on: how long the compute stream waited for reloads."""
+    """Untimed pass with profiling on: how long the compute stream waited for reloads, and the
+    throughput of the engine's copies on their own streams while the step ran (GB/s)."""
     ckpt_offload.reset_stats()
     ckpt_offload.profile(True)
     try:
@@ -234,7 +235,34 @@ def profiled_step(model, ids, ctx, cuda):
         s = ckpt_offload.stats()
     finally:
         ckpt_offload.profile(False)
-    return s["reload_wait_ms"] if s["reload_waits_measured"] else None
+    return dict(reload_wait_ms_profiled=s["reload_wait_ms"] if s["reload_waits_measured"] else None,
+                d2h_gb_per_s=s["d2h_gb_per_s"], h2d_gb_per_s=s["h2d_gb_per_s"])
+
+
+def link_peak(nbytes, device, reps=5):
+    """The pinned-memory copy bandwidth of this machine at one block size, measured now with plain
+    torch (pinned host tensor, copy_(non_blocking=True) on a side stream, CUDA events): the peak
+    the engine's copies in the step are judged against. None without a GPU."""
+    if device.type != "cuda":
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream(device)
+    out = dict(block_bytes=nbytes)
+    for name, dst, src in (("d2h_gb_per_s", host, dev), ("h2d_gb_per_s", dev, host)):
+        times = []
+        for _ in range(reps + 1):  # the first copy is a warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out[name] = nbytes / statistics.median(times[1:]) / 1e6
+    del dev, host
+    torch.cuda.empty_cache()
+    return out
 
 
 def measure(model, ids, mode, ctx, a, cuda):
@@ -254,7 +282,7 @@ def measure(model, ids, mode, ctx, a, cuda):
     check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
     ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
     act, host = inspect_step(model, ids, ctx, cuda)
-    wait = profiled_step(model, ids, ctx, cuda)
+    prof = profiled_step(model, ids, ctx, cuda)
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return dict(
         mode=mode, seq=ids.shape[1], loss=float(ref[0]), step_ms_median=statistics.median(times), step_ms_min=min(times),
@@ -262,7 +290,7 @@ def measure(model, ids, mode, ctx, a, cuda):
         act_device_bytes=act, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
         host_peak_bytes=s["host_peak_bytes"], host_alloc_calls_timed=s["host_alloc_calls"],
         bytes_offloaded_per_step=s["bytes_offloaded"] / a.steps,
-        bytes_prefetched_per_step=s["bytes_prefetched"] / a.steps, reload_wait_ms_profiled=wait,
+        bytes_prefetched_per_step=s["bytes_prefetched"] / a.steps, **prof,
         tensors_kept_on_device=s["tensors_kept_on_device"]), ref
 
 
@@ -477,6 +505,95 @@ def savings(rows, a):
     return out
 
 
+# The targets of the standard run on a GPU (benchmarks/README.md says where they come from).
+TARGET_TIME_VS_FULL = 1.03        # async offload step time / full checkpointing
+TARGET_OVERHEAD_VS_SYNC = 1 / 3   # async overhead over full / synchronous offload's overhead over full
+TARGET_SAVING_FRACTION = 0.95     # measured peak saving / theoretical saving
+TARGET_LINK_FRACTION = 0.85       # copy throughput in the step / pinned peak measured in this run
+
+
+def evaluate_targets(rows, saves, link, cuda):
+    """One entry per target and sequence length: value, threshold, met (True, False, or None when it
+    cannot be judged, with the reason), and the figures that explain a miss."""
+    out = []
+
+    def add(target, seq, value, threshold, met, note=""):
+        out.append(dict(target=target, seq=seq, value=value, threshold=threshold, met=met, note=note))
+
+    for seq in sorted({r["seq"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["seq"] == seq and "step_ms_median" in r}
+        asy, full, sync = by.get("async_offload"), by.get("full"), by.get("sync_offload")
+        why = "CPU run: targets are judged on a GPU" if not cuda else ""
+        explain = ""
+        if asy:
+            explain = (f"reload wait {fmt_ms(asy.get('reload_wait_ms_profiled'))} in a profiled step; copies "
+                       f"D2H {fmt_rate(asy.get('d2h_gb_per_s'))}, H2D {fmt_rate(asy.get('h2d_gb_per_s'))}")
+        if asy and full:
+            t = asy["step_ms_median"] / full["step_ms_median"]
+            add("async_offload time / full", seq, t, TARGET_TIME_VS_FULL,
+                None if why else t <= TARGET_TIME_VS_FULL, why or explain)
+        else:
+            add("async_offload time / full", seq, None, TARGET_TIME_VS_FULL, None, "async_offload or full did not run")
+        if asy and full and sync:
+            over_a = asy["step_ms_median"] - full["step_ms_median"]
+            over_s = sync["step_ms_median"] - full["step_ms_median"]
+            if over_s > 0:
+                v = over_a / over_s
+                add("async overhead / sync overhead", seq, v, TARGET_OVERHEAD_VS_SYNC,
+                    None if why else v <= TARGET_OVERHEAD_VS_SYNC, why or explain)
+            else:
+                add("async overhead / sync overhead", seq, None, TARGET_OVERHEAD_VS_SYNC, None,
+                    why or f"sync_offload was not slower than full ({over_s:+.2f} ms): no overhead to compare")
+        else:
+            add("async overhead / sync overhead", seq, None, TARGET_OVERHEAD_VS_SYNC, None,
+                "async_offload, sync_offload or full did not run")
+        sv = next((x for x in saves if x["seq"] == seq and x["mode"] == "async_offload"), None)
+        frac = sv["fraction"] if sv else None
+        add("async_offload saving / theoretical", seq, frac, TARGET_SAVING_FRACTION,
+            None if why or frac is None else frac >= TARGET_SAVING_FRACTION,
+            why or ("" if frac is not None else "no measured saving") or
+            (f"theoretical {fmt_bytes(sv['theoretical_bytes'])}, measured {fmt_bytes(sv['measured_bytes'])}; "
+             f"device bytes after forward: async {fmt_bytes(asy and asy.get('act_device_bytes'))}, "
+             f"full {fmt_bytes(full and full.get('act_device_bytes'))}"))
+        peak = (link or {}).get(seq)
+        for d in ("d2h", "h2d"):
+            key = f"{d}_gb_per_s"
+            got, ref = (asy or {}).get(key), (peak or {}).get(key)
+            frac = got / ref if got and ref else None
+            add(f"{d.upper()} throughput in the step / pinned peak", seq, frac, TARGET_LINK_FRACTION,
+                None if why or frac is None else frac >= TARGET_LINK_FRACTION,
+                why or (f"{fmt_rate(got)} in the step, pinned peak {fmt_rate(ref)} at "
+                        f"{fmt_bytes(peak['block_bytes'])} blocks" if frac is not None else "not measured"))
+    allocs = [r for r in rows if "step_ms_median" in r and r.get("host_alloc_calls_timed")]
+    timed = [r for r in rows if "step_ms_median" in r]
+    add("host allocations after the first step", None, sum(r["host_alloc_calls_timed"] for r in allocs), 0,
+        (not allocs) if timed else None,
+        ", ".join(f"{r['mode']}@{r['seq']}: {r['host_alloc_calls_timed']}" for r in allocs) or
+        ("" if timed else "no mode ran"))
+    return out
+
+
+def fmt_ms(x):
+    return "n/a" if x is None else f"{x:.2f} ms"
+
+
+def fmt_rate(x):
+    return "n/a" if x is None else f"{x:.1f} GB/s"
+
+
+def print_targets(targets):
+    print("\ntargets (standard run on a GPU):")
+    verdict = lambda t: "met" if t["met"] else ("MISSED" if t["met"] is False else "n/a")  # noqa: E731
+    value = lambda t: "n/a" if t["value"] is None else (  # noqa: E731
+        f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"]))
+    print_table(["target", "seq", "value", "threshold", "verdict", "figures"],
+                [[t["target"], t["seq"] or "all", value(t), f"{t['threshold']:.3g}", verdict(t), t["note"]]
+                 for t in targets])
+    missed = [t for t in targets if t["met"] is False]
+    if missed:
+        print("TARGETS MISSED: " + "; ".join(f"{t['target']} @ {t['seq'] or 'all'}" for t in missed))
+
+
 def print_results(rows, saves, cuda, base, title):
     print(f"\n{title}; {OPTIMIZER_NOTE}; " + ("GPU timings (CUDA events)" if cuda else CPU_LABEL))
     fb = lambda key: lambda r: fmt_bytes(r[key])  # noqa: E731
@@ -489,9 +606,12 @@ def print_results(rows, saves, cuda, base, title):
             ("H2D/step", fb("bytes_prefetched_per_step")),
             ("host rsv/peak", lambda r: f"{fmt_bytes(r['host_reserved_bytes'])}/{fmt_bytes(r['host_peak_bytes'])}"),
             ("host allocs", lambda r: r["host_alloc_calls_timed"]),
-            ("wait ms*", lambda r: "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}")]
+            ("wait ms*", lambda r: "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}"),
+            ("D2H/H2D GB/s*", lambda r: "n/a" if r["d2h_gb_per_s"] is None else
+             f"{r['d2h_gb_per_s']:.1f}/{r['h2d_gb_per_s'] or 0:.1f}")]
     print_table([c[0] for c in cols], [[f(r) for _, f in cols] for r in rows if "step_ms_median" in r])
-    print("* reload wait: compute-stream wait for reloads, in a separate profiled step (GPU only)\n"
+    print("* reload wait: compute-stream wait for reloads, in a separate profiled step (GPU only); D2H/H2D:\n"
+          "  throughput of the engine's copies on their copy streams in that step (CPU: synchronous copies)\n"
           "  act dev: device bytes held after forward; act host: pool bytes in use after forward\n"
           "  host rsv/peak: pool bytes reserved / peak in use; host allocs: pool allocations in timed steps")
     for r in rows:
@@ -638,9 +758,12 @@ def run_main(a, device, cuda, bar, t0, result, write):
     torch.manual_seed(0)
     model = Decoder(a, device, a.torch_dtype).train()
     rows, problems, restored = [], [], True
+    link = result.setdefault("link", {})
     for seq in a.seq_list:
         ids = make_ids(a, seq, device)
         refs = {}
+        if cuda:  # the pinned peak at the size of one layer's input, the block size the step moves
+            link[seq] = link_peak(a.batch * seq * a.hidden * a.elem, device)
         for mode in a.mode_list:
             bar.set_description(f"{mode} seq={seq}")
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
@@ -688,12 +811,15 @@ def main(argv=None):
         else:
             rows, problems = run_main(a, device, cuda, bar, t0, result, write)
             saves = savings(rows, a)
+            result["targets"] = evaluate_targets(rows, saves, result.get("link"), cuda)
     result.update(rows=rows, savings=saves, problems=problems, elapsed_s=time.monotonic() - t0)
     result["plots"] = plot(rows, a, a.out, prefix, "hf_gc" if a.hf else "full") if rows else []
     write()
     title = (f"transformers LlamaForCausalLM (random weights), every_n_layers={a.hf_every}" if a.hf
              else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
     print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title)
+    if "targets" in result:
+        print_targets(result["targets"])
     print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")
     if problems:
         print("CHECKS FAILED:\n  " + "\n  ".join(problems))

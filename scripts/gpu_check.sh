@@ -125,16 +125,29 @@ if step:
           f" | build {hw.get('ckpt_offload_build')}")
     print(f"training step (forward+backward, no optimizer), {step['config']['layers']} layers, "
           f"hidden {step['config']['hidden']}, {step['config']['dtype']}")
-    table(["mode", "seq", "ms", "t/full", "peak GiB", "peak/full", "host GiB", "wait ms", "allocs"],
+    rate = lambda x: "n/a" if x is None else f"{x:.1f}"
+    table(["mode", "seq", "ms", "t/full", "peak GiB", "peak/full", "host GiB", "wait ms", "D2H GB/s", "H2D GB/s",
+           "allocs"],
           [[r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", ratio(r.get("time_vs_full")), gib(r["peak_device_bytes"]),
             ratio(r.get("peak_vs_full")), gib(r["act_host_bytes"]),
             "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}",
+            rate(r.get("d2h_gb_per_s")), rate(r.get("h2d_gb_per_s")),
             r["host_alloc_calls_timed"]] if "step_ms_median" in r else [r["mode"], r["seq"], r.get("error") or r.get("skipped")]
-           + [""] * 6 for r in step["rows"]])
+           + [""] * 8 for r in step["rows"]])
+    for seq, lk in (step.get("link") or {}).items():
+        if lk:
+            print(f"pinned peak @ seq {seq} ({lk['block_bytes'] / 2**20:g} MiB blocks): D2H {lk['d2h_gb_per_s']:.1f} GB/s, "
+                  f"H2D {lk['h2d_gb_per_s']:.1f} GB/s")
     for s in step.get("savings", []):
         print(f"saving {s['mode']} vs {s['vs']} @ {s['seq']}: theoretical {gib(s['theoretical_bytes'])} GiB, "
               f"measured {gib(s['measured_bytes'])} GiB"
               + (f" ({100 * s['fraction']:.0f}%)" if s.get("fraction") is not None else ""))
+    if step.get("targets"):
+        print("targets:")
+        verdict = lambda t: "met" if t["met"] else ("MISSED" if t["met"] is False else "n/a")
+        table(["target", "seq", "value", "threshold", "verdict", "figures"],
+              [[t["target"], t["seq"] or "all", "n/a" if t["value"] is None else f"{t['value']:.3f}",
+                f"{t['threshold']:.3g}", verdict(t), t["note"]] for t in step["targets"]])
     # "problems" is written last: without it the script stopped early (time limit or crash).
     print("checks:", ("; ".join(step["problems"]) or "passed") if "problems" in step
           else "INCOMPLETE: the script did not finish (see step.log)")

@@ -1,0 +1,154 @@
+"""The benchmark scripts: they run end to end on the CPU with every check passing, and the target
+verdicts of a GPU run follow the figures (met, missed, or not judged with the reason)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_step  # noqa: E402
+
+MiB = 1 << 20
+
+
+def row(mode, seq, ms, **kw):
+    r = dict(mode=mode, seq=seq, step_ms_median=ms, host_alloc_calls_timed=0, reload_wait_ms_profiled=None,
+             d2h_gb_per_s=None, h2d_gb_per_s=None, act_device_bytes=None)
+    r.update(kw)
+    return r
+
+
+def verdicts(targets):
+    return {(t["target"], t["seq"]): t["met"] for t in targets}
+
+
+def gpu_run(async_ms, saving_fraction, d2h, h2d, allocs=0):
+    rows = [row("full", 4096, 100.0), row("sync_offload", 4096, 130.0),
+            row("async_offload", 4096, async_ms, d2h_gb_per_s=d2h, h2d_gb_per_s=h2d, host_alloc_calls_timed=allocs,
+                reload_wait_ms_profiled=0.5)]
+    theory = 8 * 64 * MiB
+    saves = [dict(seq=4096, mode="async_offload", vs="full", theoretical_bytes=theory,
+                  measured_bytes=int(theory * saving_fraction), fraction=saving_fraction)]
+    link = {4096: dict(block_bytes=64 * MiB, d2h_gb_per_s=50.0, h2d_gb_per_s=50.0)}
+    return bench_step.evaluate_targets(rows, saves, link, cuda=True)
+
+
+def test_targets_met():
+    v = verdicts(gpu_run(async_ms=102.0, saving_fraction=0.99, d2h=45.0, h2d=48.0))
+    assert v == {
+        ("async_offload time / full", 4096): True,
+        ("async overhead / sync overhead", 4096): True,  # 2 ms against 30 ms
+        ("async_offload saving / theoretical", 4096): True,
+        ("D2H throughput in the step / pinned peak", 4096): True,
+        ("H2D throughput in the step / pinned peak", 4096): True,
+        ("host allocations after the first step", None): True,
+    }
+
+
+def test_targets_missed_are_reported_as_missed_with_their_figures():
+    targets = gpu_run(async_ms=112.0, saving_fraction=0.9, d2h=40.0, h2d=42.0, allocs=3)
+    v = verdicts(targets)
+    assert v[("async_offload time / full", 4096)] is False  # 1.12
+    assert v[("async overhead / sync overhead", 4096)] is False  # 12 ms of 30 ms: 0.4 > 1/3
+    assert v[("async_offload saving / theoretical", 4096)] is False
+    assert v[("D2H throughput in the step / pinned peak", 4096)] is False  # 0.80
+    assert v[("H2D throughput in the step / pinned peak", 4096)] is False  # 0.84
+    assert v[("host allocations after the first step", None)] is False
+    time_target = next(t for t in targets if t["target"] == "async_offload time / full")
+    assert time_target["value"] == pytest.approx(1.12)
+    assert "reload wait 0.50 ms" in time_target["note"] and "D2H 40.0 GB/s" in time_target["note"]
+
+
+def test_targets_on_the_boundary_are_met():
+    v = verdicts(gpu_run(async_ms=103.0, saving_fraction=0.95, d2h=42.5, h2d=42.5))
+    assert v[("async_offload time / full", 4096)] is True
+    assert v[("async_offload saving / theoretical", 4096)] is True
+    assert v[("D2H throughput in the step / pinned peak", 4096)] is True
+
+
+def test_targets_are_not_judged_on_a_cpu_run_or_without_their_modes():
+    rows = [row("full", 64, 10.0), row("async_offload", 64, 10.1)]
+    targets = bench_step.evaluate_targets(rows, [], None, cuda=False)
+    judged = {t["target"]: t for t in targets if t["seq"] == 64}
+    assert all(t["met"] is None for t in judged.values())
+    assert "CPU run" in judged["async_offload time / full"]["note"]
+    assert "sync_offload" in judged["async overhead / sync overhead"]["note"]  # the mode did not run
+    # Host allocations are counted on the CPU too.
+    assert verdicts(targets)[("host allocations after the first step", None)] is True
+
+
+def run_script(args, out_dir):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)
+    return subprocess.run([sys.executable] + args + ["--out", str(out_dir)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """The three benchmark runs of scripts/gpu_check.sh at their CPU configuration, laid out as that
+    script lays them out (step/, hf/, bandwidth/)."""
+    out = tmp_path_factory.mktemp("gpu_check_out")
+    runs = {"step": ["benchmarks/bench_step.py", "--config", "small"],
+            "bandwidth": ["benchmarks/bench_bandwidth.py"]}
+    try:
+        import transformers  # noqa: F401
+        runs["hf"] = ["benchmarks/bench_step.py", "--hf", "--config", "small"]
+    except ImportError:
+        pass
+    return out, {name: run_script(args, out / name) for name, args in runs.items()}
+
+
+def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
+    out, procs = outputs
+    p = procs["step"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(out / "step" / "bench_step.json"))
+    assert result["problems"] == []
+    assert {r["mode"] for r in result["rows"] if "step_ms_median" in r} == set(bench_step.MODES)
+    a = next(r for r in result["rows"] if r["mode"] == "async_offload")
+    # 3 of 4 layers offloaded (keep_last 1), one 2x64x64 fp32 input each, every step, both ways.
+    assert a["bytes_offloaded_per_step"] == a["bytes_prefetched_per_step"] == 3 * 2 * 64 * 64 * 4
+    assert a["d2h_gb_per_s"] > 0 and a["h2d_gb_per_s"] > 0  # the profiled step timed its copies
+    assert {t["target"] for t in result["targets"]} >= {"async_offload time / full",
+                                                        "host allocations after the first step"}
+    assert "CPU timings" in result["timing"] and "targets" in p.stdout
+
+
+def test_bench_step_hf_runs_on_the_cpu(outputs):
+    out, procs = outputs
+    if "hf" not in procs:
+        pytest.skip("transformers is not installed")
+    p = procs["hf"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(out / "hf" / "bench_step_hf.json"))
+    assert result["problems"] == []
+    assert {r["mode"] for r in result["rows"] if "step_ms_median" in r} == set(bench_step.HF_MODES)
+
+
+def test_bench_bandwidth_runs_on_the_cpu(outputs):
+    out, procs = outputs
+    p = procs["bandwidth"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(out / "bandwidth" / "bench_bandwidth.json"))
+    assert not result.get("problems")
+    assert result["acquire_release"] and all(r["pair_ns"] > 0 for r in result["acquire_release"])
+
+
+def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
+    # The summary printed last by scripts/gpu_check.sh, run on these outputs: every file found,
+    # every key it reads present.
+    out, procs = outputs
+    script = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    body = script.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    (out / "stages.tsv").write_text("stage\trc\telapsed_s\tlimit_s\nstep\t0\t3\t140\n")
+    p = subprocess.run([sys.executable, "-", str(out)], input=body, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "not available" not in p.stdout and "INCOMPLETE" not in p.stdout
+    assert "targets:" in p.stdout and "checks: passed" in p.stdout and "bandwidth checks: passed" in p.stdout
+    if "hf" in procs:
+        assert "transformers LlamaForCausalLM" in p.stdout
