@@ -152,3 +152,29 @@ def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
     assert "targets:" in p.stdout and "checks: passed" in p.stdout and "bandwidth checks: passed" in p.stdout
     if "hf" in procs:
         assert "transformers LlamaForCausalLM" in p.stdout
+
+
+def test_record_results_files_a_run_with_its_summary(outputs, tmp_path):
+    out, procs = outputs
+    (out / "step.log").write_text(procs["step"].stdout)
+    dest = tmp_path / "results"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "record_results.py"), str(out), "--dest", str(dest)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = (dest / "SUMMARY.md").read_text()
+    step = json.load(open(out / "step" / "bench_step.json"))
+    hw = step["hardware"]
+    for text in (f"torch {hw['torch']}", hw["cpu"], hw["date"], hw["command"], "### Targets", "Checks: passed",
+                 "## Copy bandwidth", "| async_offload | 64 |"):
+        assert text in summary, text
+    assert (dest / "bench_step.json").exists() and (dest / "bench_bandwidth.json").exists() and (dest / "step.log").exists()
+    headline = (dest / "HEADLINE.md").read_text()
+    assert "CPU only (timings not representative)" in headline
+    assert all(f"| {m} | 64 |" in headline for m in ("none", "full", "sync_offload", "async_offload"))
+    # An existing destination is not overwritten without --force; an empty folder is refused.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--force" in again.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = subprocess.run(cmd[:2] + [str(empty), "--dest", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "neither" in p.stderr
