@@ -18,7 +18,7 @@ _kwarg_warned = False
 def default_session() -> OffloadSession:
     global _default_session
     if _default_session is None:
-        _default_session = OffloadSession(prefetch=2)
+        _default_session = OffloadSession(prefetch=1)
     return _default_session
 
 

@@ -37,6 +37,7 @@ _ENGINE_KEYS = (
     "tensors_prefetched",
     "bytes_prefetched",
     "tensors_fetched",
+    "reloads_on_demand",
     "tensors_released",
     "offloads_refused",
     "compacted",

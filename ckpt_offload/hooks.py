@@ -5,6 +5,7 @@ tensors were packed; the engine in ckpt_offload._C does the copies.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -12,6 +13,7 @@ import weakref
 from bisect import bisect_left
 
 import torch
+import torch.utils._pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine as _engine
@@ -29,15 +31,16 @@ class _Record:
     """One offloaded byte range of a storage: the engine handle while away, the tensor once back."""
 
     __slots__ = (
-        "handle", "engine", "nbytes", "seq", "prefetched", "tensor", "storage_offset", "counter", "version",
-        "__weakref__",
+        "handle", "engine", "nbytes", "seq", "group", "prefetched", "tensor", "storage_offset", "counter",
+        "version", "__weakref__",
     )
 
-    def __init__(self, handle, engine, seq, storage_offset, counter, version):
+    def __init__(self, handle, engine, seq, group, storage_offset, counter, version):
         self.handle = handle
         self.engine = engine
         self.nbytes = handle.nbytes
-        self.seq = seq
+        self.seq = seq  # the last pack that uses this copy: where backward needs it first
+        self.group = group  # the checkpoint call (layer) of that pack
         self.prefetched = False
         self.tensor = None
         self.storage_offset = storage_offset
@@ -49,13 +52,14 @@ class _Packed:
     """What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself
     while it stays on the device (kept, or waiting in the keep-last queue)."""
 
-    __slots__ = ("record", "kept", "view", "seq", "version", "counter", "stream")
+    __slots__ = ("record", "kept", "view", "seq", "group", "version", "counter", "stream")
 
-    def __init__(self, kept, seq):
+    def __init__(self, kept, seq, group=0):
         self.record = None
         self.kept = kept
         self.view = None  # None: the record's own tensor; else (size, stride, element offset delta)
         self.seq = seq  # pack position: a kept tensor's reload point for what was packed before it
+        self.group = group  # which hooks() context (checkpoint call) packed it
         # Saved-tensor hooks switch autograd's in-place check off; unpack redoes it with these.
         self.version = kept._version
         self.counter = None  # the version counter, once the tensor itself is no longer held
@@ -87,15 +91,23 @@ class OffloadSession:
 
     min_bytes: smaller tensors stay on the device. keep_last: the last N candidates of a context
     stay on the device (backward needs them first). prefetch / prefetch_bytes: how many offloaded
-    tensors (for checkpointing: layers), or bytes, to have on their way back ahead of need.
+    layers (prefetch_unit="layer": hooks() contexts, one per checkpoint call, with every tensor it
+    saved) or tensors (prefetch_unit="tensor"), or bytes, to have on their way back ahead of need.
     """
 
-    def __init__(self, *, min_bytes=0, keep_last=0, prefetch=2, prefetch_bytes=None, track_modules=False):
+    def __init__(self, *, min_bytes=0, keep_last=0, prefetch=1, prefetch_bytes=None, track_modules=False,
+                 prefetch_unit="layer"):
         _check_int("OffloadSession", "min_bytes", min_bytes, 0)
         _check_int("OffloadSession", "keep_last", keep_last, 0)
         _check_int("OffloadSession", "prefetch", prefetch, 0)
         if prefetch_bytes is not None:
             _check_int("OffloadSession", "prefetch_bytes", prefetch_bytes, 1)
+        if prefetch_unit not in ("layer", "tensor"):
+            raise ValueError(f"OffloadSession: prefetch_unit must be 'layer' or 'tensor', got {prefetch_unit!r}")
+        # "layer": prefetch counts hooks() contexts (one per checkpoint call), however many tensors
+        # each saved; "tensor": it counts tensors (offload_activations, one context per forward).
+        self.prefetch_unit = prefetch_unit
+        self._group = 0
         self.min_bytes = min_bytes
         self.keep_last = keep_last
         self.prefetch = prefetch
@@ -112,12 +124,22 @@ class OffloadSession:
         self._module_ptrs: set = set()
         self._module_hook = None
         self._track_modules = track_modules
+        # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
+        # here and started from the middle of that backward, not from its start.
+        self.defer_prefetch = False
+        self._pending = None
 
     # -- the hooks -----------------------------------------------------------------------------
     def hooks(self, keep=False):
         """Hooks that offload; with keep=True they keep tensors on the device but still mark the
         point where backward reaches them, so the reloads of earlier tensors start there."""
+        self.next_layer()
         return torch.autograd.graph.saved_tensors_hooks(self.pack_kept if keep else self.pack, self.unpack)
+
+    def next_layer(self):
+        """What is packed from now on belongs to a new layer (the unit prefetch counts by)."""
+        with self._lock:
+            self._group += 1
 
     def _is_candidate(self, t) -> bool:
         # Parameters, buffers, tensor subclasses (fake, functional, DTensor), meta and CPU tensors
@@ -144,9 +166,10 @@ class OffloadSession:
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
-        return _Packed(t, seq)
+        return _Packed(t, seq, self._group)
 
     def pack(self, t):
+        self._pending = None  # a forward: a reload point left by an earlier backward is stale
         if not self._is_candidate(t):
             return _Packed(t, self._next_seq)
         packed = self._number(t)
@@ -168,7 +191,7 @@ class OffloadSession:
         if packed.kept is not None:
             if packed.kept._version != packed.version:
                 raise _modified_error(packed, packed.kept._version)
-            self._prefetch_before(packed.seq)
+            self._reload_point(packed.seq)
             return packed.kept
         if packed.counter.value != packed.version:
             raise _modified_error(packed, packed.counter.value)
@@ -207,6 +230,7 @@ class OffloadSession:
                 ):
                     _engine.count("shared_views")
                     _attach(packed, rec, counter, view=True)
+                    self._move_locked(rec, packed.seq, packed.group)
                     return
         src = t
         if end - start > t.numel():
@@ -230,7 +254,7 @@ class OffloadSession:
             return  # stays on the device
         with self._lock:
             seq = packed.seq
-            rec = _Record(handle, eng, seq, start, counter, version)
+            rec = _Record(handle, eng, seq, packed.group, start, counter, version)
             self._seqs.append(seq)
             self._refs.append(weakref.ref(rec))
             if len(self._refs) >= self._compact_at:
@@ -243,6 +267,20 @@ class OffloadSession:
                 if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
         _attach(packed, rec, counter, view=src is not t)
+
+    def _move_locked(self, rec, seq, group):
+        """A later pack shares rec's copy: backward needs it first there, so it is reloaded with
+        that pack's layer. Caller holds the lock."""
+        for j in range(len(self._refs) - 1, -1, -1):
+            if self._refs[j]() is rec:
+                del self._seqs[j], self._refs[j]
+                break
+        else:
+            return
+        rec.seq, rec.group = seq, group
+        j = bisect_left(self._seqs, seq)
+        self._seqs.insert(j, seq)
+        self._refs.insert(j, weakref.ref(rec))
 
     def _compact(self):
         # Records of graphs that died without backward leave dead entries; drop them with a
@@ -262,8 +300,26 @@ class OffloadSession:
         if rec.tensor is None:
             rec.tensor = rec.engine.fetch(rec.handle)  # first: the copy needed now goes first
             rec.handle = None  # fetched: the host block is back in the pool
-            self._prefetch_before(rec.seq)
+            self._reload_point(rec.seq)
         return rec.tensor
+
+    def _reload_point(self, seq):
+        """Backward reached the tensor packed at seq: start the reloads of what was packed before
+        it, now, or with midpoints at the middle of this layer's backward (flush_prefetch)."""
+        if not self.defer_prefetch:
+            self._prefetch_before(seq)
+            return
+        with self._lock:
+            # Several inputs of one layer: the earliest. A point whose midpoint never fired (a
+            # layer without one) is covered too: everything before the earlier seq is included.
+            self._pending = seq if self._pending is None else min(self._pending, seq)
+
+    def flush_prefetch(self):
+        """Starts the reloads held by _reload_point (called from the middle of a layer's backward)."""
+        with self._lock:
+            seq, self._pending = self._pending, None
+        if seq is not None:
+            self._prefetch_before(seq)
 
     def _prefetch_before(self, seq):
         """Start the reloads backward needs next: records packed before position seq, nearest first."""
@@ -280,15 +336,21 @@ class OffloadSession:
                 refs.pop()
             i = bisect_left(seqs, seq) - 1
             queued = queued_bytes = 0
+            group = None
+            by_layer = self.prefetch_unit == "layer"
             todo = []
-            while i >= 0 and queued < self.prefetch:
+            while i >= 0:
                 r = refs[i]()
                 i -= 1
                 if r is None or r.handle is None:
                     continue
-                if self.prefetch_bytes is not None and queued > 0 and queued_bytes + r.nbytes > self.prefetch_bytes:
-                    break
-                queued += 1
+                if not by_layer or r.group != group:  # a new unit: a layer's tensors go together
+                    if queued >= self.prefetch:
+                        break
+                    if self.prefetch_bytes is not None and queued > 0 and queued_bytes + r.nbytes > self.prefetch_bytes:
+                        break
+                    queued += 1
+                    group = r.group
                 queued_bytes += r.nbytes
                 if not r.prefetched:
                     r.prefetched = True
@@ -328,8 +390,96 @@ class OffloadSession:
                 self._module_ptrs.add(ptr)
 
     def poll(self):
+        """The forward is over: every source goes back to the allocator now, those whose copy to
+        the host is still running ordered after it on their stream (no host wait). Held longer,
+        they would count as allocated into backward while the host runs ahead of the GPU."""
         for eng in self._engines.values():
-            eng.poll()
+            eng.release_sources(0)
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a checkpoint's recompute, say)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+class Midpoints:
+    """Moves where a checkpointed layer's backward starts the reloads of earlier layers: from its
+    start to its middle.
+
+    At its start the layer recomputes its forward, and its backward's largest tensors (the MLP's)
+    come first: reloads started there sit on the device at that layer's memory peak, so each layer
+    in flight costs its full input at the peak. From the middle, they arrive while the rest of the
+    backward (attention, for a transformer block) still hides the copy, after the peak.
+
+    The middle: the first forward records the order in which each block's direct children run;
+    the child halfway through is the midpoint. In every forward (not in the recompute) a gradient
+    hook goes on the midpoint's output; autograd calls it halfway through the block's backward.
+    """
+
+    def __init__(self, session, blocks):
+        self.session = session
+        self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
+        self._calls = {}  # block -> [(child, output)] during that first forward
+        self._armed = set()  # blocks in a forward whose midpoint has not been hooked yet
+        self.handles = []
+        for b in blocks:
+            kids = list(b.children())
+            self.handles.append(b.register_forward_pre_hook(self._block_pre))
+            self.handles.append(b.register_forward_hook(self._block_post))
+            for c in kids:
+                self.handles.append(c.register_forward_hook(functools.partial(self._child_post, b)))
+
+    @staticmethod
+    def usable(blocks) -> bool:
+        """Every block has at least two children to find a middle between."""
+        return all(len(list(b.children())) >= 2 for b in blocks)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _block_pre(self, block, args):
+        if _in_backward():
+            return
+        if block in self.mid:
+            self._armed.add(block)
+        else:
+            self._calls[block] = []
+
+    def _child_post(self, block, child, args, out):
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        if block in self.mid:
+            # The midpoint's first call only: a child called twice (one dropout module for both
+            # branches) would otherwise also fire at the start of the backward.
+            if child is self.mid[block] and block in self._armed:
+                self._armed.discard(block)
+                self._hook(out)
+        elif block in self._calls:
+            self._calls[block].append((child, out))
+
+    def _block_post(self, block, args, out):
+        self._armed.discard(block)
+        calls = self._calls.pop(block, None)
+        if not calls:
+            return
+        order = list(dict.fromkeys(c for c, _ in calls))
+        mid = order[(len(order) - 1) // 2]
+        self.mid[block] = mid
+        self._hook(next(o for c, o in calls if c is mid))  # this forward's midpoint too
+
+    def _hook(self, out):
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                t.register_hook(self._fire)
+                return
+
+    def _fire(self, grad):
+        self.session.flush_prefetch()
 
 
 def _storage_ptr(t):
@@ -382,6 +532,7 @@ class offload_activations:
             prefetch=prefetch,
             prefetch_bytes=prefetch_bytes,
             track_modules=True,
+            prefetch_unit="tensor",
         )
         self._hooks = None
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
-from .hooks import OffloadSession, _check_int
+from .hooks import Midpoints, OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_state"
 
@@ -89,7 +89,7 @@ def enable_checkpointing(
     every_n_layers: int = 1,
     offload: bool = False,
     keep_last: int = 1,
-    prefetch: int = 2,
+    prefetch: int = 1,
     prefetch_bytes: int | None = None,
     layers=None,
 ) -> list[int]:
@@ -158,6 +158,12 @@ def enable_checkpointing(
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
     hooks = []
+    if session is not None and Midpoints.usable([blocks[i] for i in checkpointed]):
+        # Reloads of earlier layers start in the middle of each checkpointed block's backward,
+        # after its memory peak (see Midpoints).
+        midpoints = Midpoints(session, [blocks[i] for i in checkpointed])
+        session.defer_prefetch = True
+        hooks.append(midpoints)
     if session is not None:
         # Before each forward: the model's own weights and buffers, which a block may receive
         # positionally, are never offloaded (looked up anew: .to() or FSDP may have moved them).

@@ -44,6 +44,7 @@ py::dict engine_stats_dict(const EngineStats& s) {
   d["tensors_prefetched"] = s.tensors_prefetched;
   d["bytes_prefetched"] = s.bytes_prefetched;
   d["tensors_fetched"] = s.tensors_fetched;
+  d["reloads_on_demand"] = s.reloads_on_demand;
   d["tensors_released"] = s.tensors_released;
   d["offloads_refused"] = s.offloads_refused;
   d["compacted"] = s.compacted;
@@ -198,6 +199,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fetch", &CopyEngine::fetch, py::arg("handle"), release_gil())
       .def("release", &CopyEngine::release, py::arg("handle"), release_gil())
       .def("poll", &CopyEngine::poll, release_gil())
+      .def(
+          "release_sources",
+          [](CopyEngine& e, int64_t keep) {
+            TORCH_CHECK_VALUE(keep >= 0, "release_sources: keep must be >= 0, got ", keep);
+            py::gil_scoped_release no_gil;
+            return e.release_sources(static_cast<size_t>(keep));
+          },
+          py::arg("keep") = 0,
+          "Hands sources back to the allocator, all but the newest `keep`; unfinished copies are waited for "
+          "on the producing stream, not on the host. Returns how many are still held")
       .def("synchronize", &CopyEngine::synchronize, release_gil())
       .def("stats",
            [](CopyEngine& e) {

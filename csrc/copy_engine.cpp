@@ -240,6 +240,7 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
 
   std::shared_ptr<HostBlock> block;
   CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling, CUDA: the copy's two events
+  void* producer_stream = nullptr;                     // CUDA: the stream current at this call
   double host_copy_ms = -1.0;                          // profiling, host path: the copy's duration
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (cuda_) {
@@ -247,6 +248,7 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     // The current stream, looked up now: it is the one that produced the tensor for this call.
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
     check_not_capturing(compute, "offload");
+    producer_stream = compute;
     block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
     if (block) {
       cudaStream_t d2h = as_cuda(d2h_stream_);
@@ -290,11 +292,12 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   } else if (host_copy_ms >= 0.0 && g_profiling.load()) {
     note_copy_locked(/*d2h=*/true, h->nbytes_, host_copy_ms);
   }
-  poll_locked(garbage);
   if (h->state_ == HandleState::kOffloading) {
-    // The source must outlive its copy: keep it until the copy's event completes (poll).
-    pending_.push_back({h->d2h_done_, src});
+    // The source must outlive its copy: held until the copy's event completes (poll), or handed
+    // back in stream order once newer offloads have followed it (release_sources_locked).
+    pending_.push_back({h->d2h_done_, src, producer_stream});
   }
+  release_sources_locked(kKeepPending, garbage);
   h->block_ = std::move(block);
   st_.compacted += compact ? 1 : 0;
   st_.tensors_offloaded += 1;
@@ -412,6 +415,7 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
                 "fetch: the handle was already fetched; expected state offloading, on_host or prefetching");
     TORCH_CHECK(h->state_ != HandleState::kReleased,
                 "fetch: the handle was released; expected state offloading, on_host or prefetching");
+    if (h->state_ != HandleState::kPrefetching && h->nbytes_ > 0) st_.reloads_on_demand += 1;
     prefetch_locked(*h, std::move(fresh));
 #ifdef CKPT_OFFLOAD_WITH_CUDA
     if (cuda_ && h->h2d_done_) {
@@ -439,7 +443,8 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
     block = std::move(h->block_);  // back to the pool, tagged with the reload's event
     h->state_ = HandleState::kFetched;
     st_.tensors_fetched += 1;
-    poll_locked(garbage);
+    // Backward has begun: no source needs to stay held past this point.
+    release_sources_locked(0, garbage);
   }
   // Outside the lock: these reach the dispatcher (and possibly Python dispatch modes).
   // Fetched on another stream than the one that allocated it: tell the allocator, or the memory
@@ -482,6 +487,30 @@ void CopyEngine::poll_locked(std::vector<at::Tensor>& garbage) {
     garbage.push_back(std::move(pending_.front().tensor));
     pending_.pop_front();
   }
+}
+
+void CopyEngine::release_sources_locked(size_t keep, std::vector<at::Tensor>& garbage) {
+  poll_locked(garbage);
+  while (pending_.size() > keep) {
+    PendingSource& p = pending_.front();
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (!event_done(p.done)) {
+      // The caching allocator hands freed memory out again on the stream that allocated it; that
+      // stream now waits for the copy, so whatever reuses the memory runs after the copy read it.
+      c10::cuda::CUDAGuard guard(device_.index());
+      p.done->block(as_cuda(p.stream));
+    }
+#endif
+    garbage.push_back(std::move(p.tensor));
+    pending_.pop_front();
+  }
+}
+
+size_t CopyEngine::release_sources(size_t keep) {
+  std::vector<at::Tensor> garbage;
+  std::lock_guard<std::mutex> lock(mu_);
+  release_sources_locked(keep, garbage);
+  return pending_.size();
 }
 
 size_t CopyEngine::poll() {

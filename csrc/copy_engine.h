@@ -24,6 +24,7 @@ struct EngineStats {
   uint64_t tensors_prefetched = 0;
   uint64_t bytes_prefetched = 0;  // host to device
   uint64_t tensors_fetched = 0;
+  uint64_t reloads_on_demand = 0;  // fetches whose reload had not been started ahead (no prefetch)
   uint64_t tensors_released = 0;  // handles given up without a fetch
   uint64_t offloads_refused = 0;  // the pool refused a block (cap or system): caller keeps the tensor
   uint64_t compacted = 0;         // non-contiguous inputs with gaps copied densely first
@@ -103,6 +104,11 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   void release(const HandlePtr& h);
   // Drops sources whose device-to-host copy has completed; returns how many are still pending.
   size_t poll();
+  // Hands sources back to the caching allocator, all but the newest `keep`: finished ones at
+  // once, unfinished ones after making the stream that produced them wait for their copy (no
+  // host wait). The allocator may then reuse that memory at once, on that stream, after the copy.
+  // Returns how many are still held.
+  size_t release_sources(size_t keep);
   // Waits for every copy this engine queued (host synchronisation: not for the step's hot path).
   void synchronize();
 
@@ -122,6 +128,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   at::Tensor allocate_dest(const OffloadHandle& h);
   bool needs_reload(const HandlePtr& h);
   void poll_locked(std::vector<at::Tensor>& garbage);
+  void release_sources_locked(size_t keep, std::vector<at::Tensor>& garbage);
   void refresh_state_locked(OffloadHandle& h);
   void fold_samples_locked();
 
@@ -134,7 +141,11 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   struct PendingSource {
     EventPtr done;
     at::Tensor tensor;
+    void* stream;  // cudaStream_t current at offload: the stream that produced (and allocated) it
   };
+  // Sources kept past their offload before being handed back in stream order: the copy of the
+  // newest ones is still likely running, and the compute stream should not wait for it.
+  static constexpr size_t kKeepPending = 2;
   std::deque<PendingSource> pending_;
   struct WaitSample {
     EventPtr start, end;

@@ -346,7 +346,11 @@ def test_offload_activations_argument_errors():
 def _packed_session(n, prefetch, prefetch_bytes=None):
     session = ckpt_offload.OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     xs = [torch.full((256,), float(i)) * 1 for i in range(n)]  # non-leaf, 1 KiB each
-    return session, xs, [session.pack(x) for x in xs]
+    packed = []
+    for x in xs:
+        session.next_layer()  # one layer each, as one checkpoint call each would be
+        packed.append(session.pack(x))
+    return session, xs, packed
 
 
 def test_prefetch_depth_in_layers():
@@ -546,9 +550,52 @@ def test_conjugate_and_negative_views_stay_on_device_and_stay_right():
 
 def test_keep_last_context_prefetches_the_first_tensor_backward_needs():
     xs = [torch.full((256,), float(i)) * 1 for i in range(4)]
-    session = ckpt_offload.OffloadSession(keep_last=1, prefetch=1)
+    session = ckpt_offload.OffloadSession(keep_last=1, prefetch=1, prefetch_unit="tensor")
     packed = [session.pack(x) for x in xs]  # 0, 1, 2 offloaded; 3 waits on the device
     assert [p.kept is None for p in packed] == [True, True, True, False]
     assert session.unpack(packed[3]) is xs[3]
     # Reaching the kept tensor starts the reload of the newest offloaded one, not an older one.
     assert [p.record.handle.state for p in packed[:3]] == ["on_host", "on_host", "prefetching"]
+
+
+class _MaskedBlock(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.a = torch.nn.Linear(h, h)
+        self.b = torch.nn.Linear(h, h)
+
+    def forward(self, x, mask):
+        return x + self.b(torch.tanh(self.a(x)) * mask)
+
+
+class _MaskedStack(torch.nn.Module):
+    def __init__(self, n=5, h=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MaskedBlock(h) for _ in range(n))
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def test_prefetch_counts_layers_and_a_shared_input_comes_back_with_its_last_user(test_cpu):
+    # Two positional inputs per layer, one of them (a mask) the same tensor in every layer: it is
+    # copied once and reloaded ahead of the last layer that uses it, so no reload waits.
+    torch.manual_seed(0)
+    model = _MaskedStack()
+    ref = _MaskedStack()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16, requires_grad=True)
+    mask = (torch.rand(4, 16) > 0.5).float() * 1
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, prefetch=1)
+    ckpt_offload.reset_stats()
+    model(x, mask).square().sum().backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 4 + 1 and s["shared_views"] == 3  # 4 inputs, the mask once
+    assert s["reloads_on_demand"] == 0 and s["tensors_prefetched"] == 5
+    gx = x.grad.clone()
+    x.grad = None
+    ref(x, mask).square().sum().backward()
+    assert torch.equal(gx, x.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))

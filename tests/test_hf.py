@@ -175,3 +175,19 @@ def test_trainer_callback_same_losses(tmp_path):
     s = ckpt_offload.stats()
     assert s["bytes_offloaded"] == 3 * 2 * (B * S * H * 4)  # 3 steps x 2 offloaded layers
     assert s["host_in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_reloads_start_mid_layer_and_are_all_ahead_of_need(arch):
+    model = tiny(arch)
+    idx = hf.enable(model, every_n_layers=1, offload=True, keep_last=1)
+    step(model, batch())
+    ckpt_offload.reset_stats()
+    step(model, batch())
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] >= len(idx) - 1
+    assert s["reloads_on_demand"] == 0 and s["tensors_prefetched"] == s["tensors_offloaded"]
+    (midpoints,) = [h for h in model.__dict__["_ckpt_offload_hf"][2] if isinstance(h, ckpt_offload.hooks.Midpoints)]
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    attention = "self_attn" if arch == "llama" else "attn"
+    assert all(midpoints.mid[layer] is getattr(layer, attention) for layer in layers)

@@ -18,12 +18,12 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from ..checkpointing import checkpoint_function
-from ..hooks import OffloadSession, _check_int
+from ..hooks import Midpoints, OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_hf"
 
 
-def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 2,
+def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
            prefetch_bytes=None, **checkpoint_kwargs) -> list[int]:
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
@@ -72,6 +72,11 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         model.register_forward_pre_hook(lambda module, args: session.exclude_module_tensors(module)),
         model.register_forward_hook(lambda *_: session.poll()),
     ]
+    blocks = [layers[i] for i in checkpointed]
+    if Midpoints.usable(blocks):
+        # Reloads of earlier layers start in the middle of each layer's backward (see Midpoints).
+        hooks.append(Midpoints(session, blocks))
+        session.defer_prefetch = True
     model.__dict__[_STATE_ATTR] = (checkpointed, offloaded, hooks)
     return checkpointed
 
@@ -104,7 +109,7 @@ class OffloadCallback(TrainerCallback):
     callback's own.
     """
 
-    def __init__(self, keep_last: int = 1, prefetch: int = 2, prefetch_bytes=None):
+    def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
         _check_int("OffloadCallback", "keep_last", keep_last, 0)
         _check_int("OffloadCallback", "prefetch", prefetch, 0)
         self.keep_last = keep_last

@@ -1,0 +1,137 @@
+"""Memory that really drops: the peak of a whole training step falls by every offloaded layer input,
+measured as live CPU storage bytes on the CPU test path. Gradients stay allocated between steps
+(zero_grad(set_to_none=False), as under gradient accumulation), so the peak is the activations'.
+On a GPU the same is measured with max_memory_allocated."""
+import pytest
+import torch
+
+import ckpt_offload
+from conftest import requires_cuda
+from memtrack import LiveBytes
+from tiny_gpt import loss_of, make_batch, make_model
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+L, H, S, B = 6, 64, 128, 2
+INPUT_BYTES = B * S * H * 4  # one block input, fp32
+
+
+def step_peak(model, ids):
+    """Peak live bytes of one forward + backward above what exists before it (weights, gradients)."""
+    loss_of(model, ids).backward()  # warm-up: gradients allocated, pool filled
+    model.zero_grad(set_to_none=False)
+    ckpt_offload.reset_stats()
+    with LiveBytes() as live:
+        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
+        base = live.current()
+        live.peak = base
+        loss_of(model, ids).backward()
+    return live.peak - base
+
+
+def peak_with(prefetch=1, offload=True, from_middle=True):
+    torch.manual_seed(0)
+    model = make_model(layers=L, hidden=H, heads=4, max_len=S)
+    ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1, prefetch=prefetch)
+    if not from_middle:  # what reloading from the start of each layer's backward would cost
+        model._ckpt_offload_state.session.defer_prefetch = False
+    return step_peak(model, make_batch(batch=B, seq=S))
+
+
+def test_offload_lowers_the_step_peak_by_every_offloaded_input():
+    full = peak_with(offload=False)
+    theoretical = (L - 1) * INPUT_BYTES  # keep_last=1: five of six inputs live on the host
+    saving = full - peak_with()
+    assert saving >= 0.95 * theoretical, (saving, theoretical)
+    assert saving <= theoretical + INPUT_BYTES // 2  # nothing else was moved
+    s = ckpt_offload.stats()
+    assert s["reloads_on_demand"] == 0 and s["tensors_prefetched"] == L - 1  # and every reload was ahead of need
+
+
+def test_reloads_started_mid_backward_stay_off_the_layer_peak():
+    # From the middle of each backward, the reload in flight adds nothing to the peak; from the
+    # start of the backward it would add one input, and each further layer of depth one more.
+    theoretical = (L - 1) * INPUT_BYTES
+    full = peak_with(offload=False)
+    assert full - peak_with(prefetch=1) >= 0.95 * theoretical
+    assert full - peak_with(prefetch=1, from_middle=False) == pytest.approx(theoretical - INPUT_BYTES, abs=INPUT_BYTES // 4)
+    assert full - peak_with(prefetch=2) == pytest.approx(theoretical - INPUT_BYTES, abs=INPUT_BYTES // 4)
+
+
+def test_midpoint_is_the_child_halfway_through_the_forward():
+    model = make_model(layers=3, hidden=32, heads=4)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    loss_of(model, make_batch()).backward()
+    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.hooks.Midpoints)]
+    # Children in forward order: ln1, qkv, proj, dropout (attention branch), ln2, fc1, fc2.
+    assert all(midpoints.mid[b] is b.dropout for b in model.blocks)
+    ckpt_offload.disable_checkpointing(model)
+    assert all(not b._forward_hooks and not b._forward_pre_hooks for b in model.blocks)
+    assert all(not c._forward_hooks for b in model.blocks for c in b.children())
+
+
+def test_blocks_without_children_reload_from_the_start_of_their_backward():
+    blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+    model = torch.nn.Sequential(*blocks)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    assert model._ckpt_offload_state.session.defer_prefetch is False
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).sum().backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_prefetched"] == 3 and s["reloads_on_demand"] == 0
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_offload_lowers_the_cuda_step_peak_by_every_offloaded_input():
+    dev = "cuda"
+    peaks = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = make_model(layers=L, hidden=256, heads=4, max_len=512, device=dev)
+        ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1)
+        ids = make_batch(batch=4, seq=512, device=dev)
+        loss_of(model, ids).backward()
+        model.zero_grad(set_to_none=False)
+        ckpt_offload.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss_of(model, ids).backward()
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated() - base
+        ckpt_offload.disable_checkpointing(model)
+    theoretical = (L - 1) * 4 * 512 * 256 * 4
+    assert peaks[False] - peaks[True] >= 0.95 * theoretical, (peaks, theoretical)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_sources_return_to_the_allocator_while_the_gpu_is_still_behind():
+    # The host finishes the forward long before the GPU (kept busy by a sleep kernel) has run a
+    # single copy. The offloaded inputs must still leave the allocator's books at once, handed back
+    # in stream order, or the saving would appear only when the GPU catches up: a run-ahead host
+    # would see no saving at the peak. Gradients stay bitwise those of plain checkpointing.
+    dev = "cuda"
+    held, grads = {}, {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = make_model(layers=L, hidden=256, heads=4, max_len=512, device=dev)
+        ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1)
+        ids = make_batch(batch=4, seq=512, device=dev)
+        loss_of(model, ids).backward()  # warm-up: pool filled, gradients allocated
+        model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of everything below
+        loss = loss_of(model, ids)
+        held[offload] = torch.cuda.memory_allocated() - before
+        if offload:
+            assert ckpt_offload.stats()["pending_sources"] == 0
+        loss.backward()
+        torch.cuda.synchronize()
+        grads[offload] = [p.grad.clone() for p in model.parameters()]
+        ckpt_offload.disable_checkpointing(model)
+    theoretical = (L - 1) * 4 * 512 * 256 * 4
+    assert held[False] - held[True] >= 0.95 * theoretical, (held, theoretical)
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
