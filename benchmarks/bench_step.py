@@ -39,7 +39,8 @@ BITWISE = {"sync_offload": "full", "async_offload": "full", "every2_async": "eve
 HF_MODES = ["hf_none", "hf_gc", "hf_gc_sync_offload", "hf_gc_async_offload"]
 HF_BITWISE = {"hf_gc_sync_offload": "hf_gc", "hf_gc_async_offload": "hf_gc"}
 CPU_LABEL = "CPU timings (no GPU): not representative"
-OPTIMIZER_NOTE = "step = forward + backward; the optimizer step is excluded"
+OPTIMIZER_NOTE = ("step = forward + backward; the optimizer step is excluded; gradients stay allocated between "
+                  "steps (zero_grad(set_to_none=False))")
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -172,7 +173,9 @@ def restored_exactly(model) -> bool:
 
 # -- one step and its measurements ----------------------------------------------------------------
 def train_step(model, ids, ctx):
-    model.zero_grad(set_to_none=True)
+    # Gradients stay allocated between steps, as under gradient accumulation and in DDP's and FSDP's
+    # gradient buffers: the peak then shows the activations, not the moment gradients are created.
+    model.zero_grad(set_to_none=False)
     with ctx():
         loss = model(ids)
     loss.backward()
@@ -211,7 +214,7 @@ def reference(model, loss, cuda):
 
 def inspect_step(model, ids, ctx, cuda):
     """Untimed: device bytes held after forward (copies settled) and host pool bytes in use."""
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=False)
     settle(cuda)
     before = torch.cuda.memory_allocated() if cuda else None
     with ctx():
@@ -500,8 +503,10 @@ def savings(rows, a):
                 theory = by[mode]["offloaded_layers"] * a.batch * seq * a.hidden * a.elem
                 pb, pm = by[base]["peak_device_bytes"], by[mode]["peak_device_bytes"]
                 measured = pb - pm if pb is not None and pm is not None else None
+                ab, am = by[base]["act_device_bytes"], by[mode]["act_device_bytes"]
                 out.append(dict(seq=seq, mode=mode, vs=base, theoretical_bytes=theory, measured_bytes=measured,
-                                fraction=measured / theory if measured is not None and theory else None))
+                                fraction=measured / theory if measured is not None and theory else None,
+                                after_forward_bytes=ab - am if ab is not None and am is not None else None))
     return out
 
 
@@ -619,8 +624,9 @@ def print_results(rows, saves, cuda, base, title):
             print(f"{r['mode']} seq={r['seq']}: {r.get('skipped') or r.get('error')}")
     for s in saves:
         print(f"saving {s['mode']} vs {s['vs']} @ seq {s['seq']}: theoretical {fmt_bytes(s['theoretical_bytes'])}, "
-              f"measured {fmt_bytes(s['measured_bytes'])}"
-              + (f" ({100 * s['fraction']:.1f}%)" if s["fraction"] is not None else " (no device memory on CPU)"))
+              f"measured at the peak {fmt_bytes(s['measured_bytes'])}"
+              + (f" ({100 * s['fraction']:.1f}%)" if s["fraction"] is not None else " (no device memory on CPU)")
+              + (f", after forward {fmt_bytes(s['after_forward_bytes'])}" if s["after_forward_bytes"] is not None else ""))
 
 
 def plot(rows, a, out_dir, prefix, base):
@@ -710,7 +716,7 @@ def parse_args(argv=None):
     p.add_argument("--no-rope", dest="rope", action="store_false")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--keep-last", type=int, default=1)
-    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--min-bytes", type=int, help="offload_activations threshold (1 MiB on GPU, 0 on CPU)")
     p.add_argument("--hf", action="store_true", help="compare transformers' checkpointing/offload instead")
     p.add_argument("--hf-every", type=int, default=1, help="every_n_layers for the --hf comparison")
