@@ -180,7 +180,7 @@ def acquire_rows(a, bar):
     """acquire+release pairs of one size: the block dies at once, so each call is one pair."""
     rows = []
     for size in (4 * KiB, 64 * KiB, MiB, 64 * MiB):
-        pool = ckpt_offload.HostPool(pinned=torch.cuda.is_available())
+        pool = ckpt_offload.HostPool(pinned=ckpt_offload.build_info()["cuda_usable"])
         acquire, round_size = pool.acquire, ckpt_offload.HostPool.round_size
         acquire(size)  # the one allocation; every later pair reuses the block
         pool.reset_stats()

@@ -151,6 +151,8 @@ if step:
     # "problems" is written last: without it the script stopped early (time limit or crash).
     print("checks:", ("; ".join(step["problems"]) or "passed") if "problems" in step
           else "INCOMPLETE: the script did not finish (see step.log)")
+    if step.get("incomplete"):
+        print(f"INCOMPLETE: {len(step['incomplete'])} mode runs skipped: " + "; ".join(step["incomplete"]))
 hf = load("hf/bench_step_hf.json")
 if hf:
     print("\ntransformers LlamaForCausalLM")
