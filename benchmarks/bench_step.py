@@ -24,6 +24,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 
 import ckpt_offload
+from ckpt_offload.testing import LiveBytes
 
 CONFIGS = {
     # Finishes in seconds on a 2-core CPU; the default without a GPU.
@@ -213,18 +214,31 @@ def reference(model, loss, cuda):
 
 
 def inspect_step(model, ids, ctx, cuda):
-    """Untimed: device bytes held after forward (copies settled) and host pool bytes in use."""
+    """Untimed: device bytes held after forward (copies settled), host pool bytes in use after
+    forward, and on the CPU the peak bytes of live tensors over the step above weights, gradients
+    and inputs (ckpt_offload.testing.LiveBytes; on a GPU the timed steps' max_memory_allocated)."""
     model.zero_grad(set_to_none=False)
     settle(cuda)
-    before = torch.cuda.memory_allocated() if cuda else None
-    with ctx():
-        loss = model(ids)
-    host = ckpt_offload.stats()["host_in_use_bytes"]
-    settle(cuda)
-    act = torch.cuda.memory_allocated() - before if cuda else None
-    loss.backward()
-    settle(cuda)
-    return act, host
+    if cuda:
+        before = torch.cuda.memory_allocated()
+        with ctx():
+            loss = model(ids)
+        host = ckpt_offload.stats()["host_in_use_bytes"]
+        settle(cuda)
+        act = torch.cuda.memory_allocated() - before
+        loss.backward()
+        settle(cuda)
+        return act, host, None
+    with LiveBytes() as live:
+        live.add([*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+                  *model.buffers(), ids])
+        base = live.peak = live.current()
+        with ctx():
+            loss = model(ids)
+        host = ckpt_offload.stats()["host_in_use_bytes"]
+        act = live.current() - base
+        loss.backward()
+    return act, host, live.peak - base
 
 
 def profiled_step(model, ids, ctx, cuda):
@@ -284,13 +298,13 @@ def measure(model, ids, mode, ctx, a, cuda):
     peak = torch.cuda.max_memory_allocated() if cuda else None
     check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
     ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
-    act, host = inspect_step(model, ids, ctx, cuda)
+    act, host, live_peak = inspect_step(model, ids, ctx, cuda)
     prof = profiled_step(model, ids, ctx, cuda)
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return dict(
         mode=mode, seq=ids.shape[1], loss=float(ref[0]), step_ms_median=statistics.median(times), step_ms_min=min(times),
         step_ms_max=max(times), step_ms_iqr=[q[0], q[2]], step_ms_all=times, peak_device_bytes=peak,
-        act_device_bytes=act, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
+        act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
         host_peak_bytes=s["host_peak_bytes"], host_alloc_calls_timed=s["host_alloc_calls"],
         bytes_offloaded_per_step=s["bytes_offloaded"] / a.steps,
         bytes_prefetched_per_step=s["bytes_prefetched"] / a.steps, **prof,
@@ -503,7 +517,8 @@ def savings(rows, a):
         for mode, base in pairs:
             if mode in by and base in by:
                 theory = by[mode]["offloaded_layers"] * a.batch * seq * a.hidden * a.elem
-                pb, pm = by[base]["peak_device_bytes"], by[mode]["peak_device_bytes"]
+                key = "peak_device_bytes" if a.cuda else "live_peak_bytes"  # CPU: tracked live tensor bytes
+                pb, pm = by[base].get(key), by[mode].get(key)
                 measured = pb - pm if pb is not None and pm is not None else None
                 ab, am = by[base]["act_device_bytes"], by[mode]["act_device_bytes"]
                 out.append(dict(seq=seq, mode=mode, vs=base, theoretical_bytes=theory, measured_bytes=measured,
@@ -607,7 +622,8 @@ def print_results(rows, saves, cuda, base, title):
     cols = [("mode", lambda r: r["mode"]), ("seq", lambda r: r["seq"]),
             ("ms med", lambda r: f"{r['step_ms_median']:.2f}"),
             ("ms min-max", lambda r: f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}"),
-            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}"))), ("peak dev", fb("peak_device_bytes")),
+            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}"))),
+            ("peak dev" if cuda else "peak live*", fb("peak_device_bytes" if cuda else "live_peak_bytes")),
             (f"peak/{base}", lambda r: fmt_ratio(r.get(f"peak_vs_{base}"))), ("act dev", fb("act_device_bytes")),
             ("act host", fb("act_host_bytes")), ("D2H/step", fb("bytes_offloaded_per_step")),
             ("H2D/step", fb("bytes_prefetched_per_step")),
@@ -619,7 +635,9 @@ def print_results(rows, saves, cuda, base, title):
     print_table([c[0] for c in cols], [[f(r) for _, f in cols] for r in rows if "step_ms_median" in r])
     print("* reload wait: compute-stream wait for reloads, in a separate profiled step (GPU only); D2H/H2D:\n"
           "  throughput of the engine's copies on their copy streams in that step (CPU: synchronous copies)\n"
-          "  act dev: device bytes held after forward; act host: pool bytes in use after forward\n"
+          + ("" if cuda else "  peak live: most bytes of live tensors during a step above weights, gradients and inputs "
+             "(tracked on the CPU)\n")
+          + "  act dev: device bytes held after forward; act host: pool bytes in use after forward\n"
           "  host rsv/peak: pool bytes reserved / peak in use; host allocs: pool allocations in timed steps")
     for r in rows:
         if "step_ms_median" not in r:
@@ -628,7 +646,8 @@ def print_results(rows, saves, cuda, base, title):
         print(f"saving {s['mode']} vs {s['vs']} @ seq {s['seq']}: theoretical {fmt_bytes(s['theoretical_bytes'])}, "
               f"measured at the peak {fmt_bytes(s['measured_bytes'])}"
               + (f" ({100 * s['fraction']:.1f}%)" if s["fraction"] is not None else " (no device memory on CPU)")
-              + (f", after forward {fmt_bytes(s['after_forward_bytes'])}" if s["after_forward_bytes"] is not None else ""))
+              + (f", after forward {fmt_bytes(s['after_forward_bytes'])}" if s["after_forward_bytes"] is not None else "")
+              + (" (CPU tensors: save_on_cpu has nothing to move)" if not cuda and s["mode"] == "sync_offload" else ""))
 
 
 def plot(rows, a, out_dir, prefix, base):

@@ -114,6 +114,10 @@ def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
     # 3 of 4 layers offloaded (keep_last 1), one 2x64x64 fp32 input each, every step, both ways.
     assert a["bytes_offloaded_per_step"] == a["bytes_prefetched_per_step"] == 3 * 2 * 64 * 64 * 4
     assert a["d2h_gb_per_s"] > 0 and a["h2d_gb_per_s"] > 0  # the profiled step timed its copies
+    # The step peak (live tensor bytes, tracked on the CPU) falls by the theoretical saving.
+    for mode in ("async_offload", "every2_async"):
+        (sv,) = [x for x in result["savings"] if x["mode"] == mode]
+        assert 0.95 <= sv["fraction"] <= 1.05 and sv["after_forward_bytes"] == sv["theoretical_bytes"], sv
     assert {t["target"] for t in result["targets"]} >= {"async_offload time / full",
                                                         "host allocations after the first step"}
     assert "CPU timings" in result["timing"] and "targets" in p.stdout

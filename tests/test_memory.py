@@ -7,7 +7,7 @@ import torch
 
 import ckpt_offload
 from conftest import requires_cuda
-from memtrack import LiveBytes
+from ckpt_offload.testing import LiveBytes
 from tiny_gpt import loss_of, make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("test_cpu")

@@ -1,5 +1,5 @@
-"""Peak bytes of live CPU storages over a region, for memory tests on the CPU test path (the GPU
-tests use torch.cuda.max_memory_allocated instead)."""
+"""Testing aids. LiveBytes: the peak bytes of live CPU storages over a region, the CPU counterpart
+of torch.cuda.max_memory_allocated for the host-only test path (tests and the CPU benchmark)."""
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
