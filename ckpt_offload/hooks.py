@@ -127,7 +127,10 @@ class OffloadSession:
         # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
         # here and started from the middle of that backward, not from its start.
         self.defer_prefetch = False
-        self._pending = None
+        # .pending: (seq, group, graph task) held by this thread's backward (autograd runs a
+        # device's backward on one thread, the same for a layer's reload point and its midpoint).
+        self._tls = threading.local()
+        self.midpoint_misses = 0
 
     # -- the hooks -----------------------------------------------------------------------------
     def hooks(self, keep=False):
@@ -169,7 +172,6 @@ class OffloadSession:
         return _Packed(t, seq, self._group)
 
     def pack(self, t):
-        self._pending = None  # a forward: a reload point left by an earlier backward is stale
         if not self._is_candidate(t):
             return _Packed(t, self._next_seq)
         packed = self._number(t)
@@ -191,11 +193,11 @@ class OffloadSession:
         if packed.kept is not None:
             if packed.kept._version != packed.version:
                 raise _modified_error(packed, packed.kept._version)
-            self._reload_point(packed.seq)
+            self._reload_point(packed.seq, packed.group)
             return packed.kept
         if packed.counter.value != packed.version:
             raise _modified_error(packed, packed.counter.value)
-        base = self._load(packed.record)
+        base = self._load(packed.record, packed)
         if packed.view is None:
             return base
         size, stride, delta = packed.view
@@ -296,30 +298,42 @@ class OffloadSession:
             del self._by_storage[key]
 
     # -- reload --------------------------------------------------------------------------------
-    def _load(self, rec):
+    def _load(self, rec, packed):
         if rec.tensor is None:
             rec.tensor = rec.engine.fetch(rec.handle)  # first: the copy needed now goes first
             rec.handle = None  # fetched: the host block is back in the pool
-            self._reload_point(rec.seq)
+            # The pack being unpacked, not the record's: a copy shared with a later graph's pack
+            # sits among that graph's entries, and this backward must not reload those.
+            self._reload_point(packed.seq, packed.group)
         return rec.tensor
 
-    def _reload_point(self, seq):
+    def _reload_point(self, seq, group):
         """Backward reached the tensor packed at seq: start the reloads of what was packed before
         it, now, or with midpoints at the middle of this layer's backward (flush_prefetch)."""
         if not self.defer_prefetch:
             self._prefetch_before(seq)
             return
-        with self._lock:
-            # Several inputs of one layer: the earliest. A point whose midpoint never fired (a
-            # layer without one) is covered too: everything before the earlier seq is included.
-            self._pending = seq if self._pending is None else min(self._pending, seq)
+        task = _graph_task_id()
+        held = getattr(self._tls, "pending", None)
+        if held is not None and held[2] != task:
+            held = None  # left by an earlier backward (one that stopped partway): stale
+        if held is not None and held[1] != group:
+            # The previous layer's midpoint never fired (its hooked output got no gradient): start
+            # its reloads now and reload from the start of each backward from here on.
+            self.midpoint_misses += 1
+            self.defer_prefetch = False
+            self._tls.pending = None
+            self._prefetch_before(min(held[0], seq))
+            return
+        # Several inputs of one layer: the earliest.
+        self._tls.pending = (seq if held is None else min(held[0], seq), group, task)
 
     def flush_prefetch(self):
         """Starts the reloads held by _reload_point (called from the middle of a layer's backward)."""
-        with self._lock:
-            seq, self._pending = self._pending, None
-        if seq is not None:
-            self._prefetch_before(seq)
+        held = getattr(self._tls, "pending", None)
+        self._tls.pending = None
+        if held is not None:
+            self._prefetch_before(held[0])
 
     def _prefetch_before(self, seq):
         """Start the reloads backward needs next: records packed before position seq, nearest first."""
@@ -415,15 +429,16 @@ class Midpoints:
     backward (attention, for a transformer block) still hides the copy, after the peak.
 
     The middle: the first forward records the order in which each block's direct children run;
-    the child halfway through is the midpoint. In every forward (not in the recompute) a gradient
-    hook goes on the midpoint's output; autograd calls it halfway through the block's backward.
+    the midpoint is the child nearest the halfway point whose output has a gradient. In every
+    forward (not in the recompute) a hook goes on the autograd node of the midpoint's output;
+    autograd calls it halfway through the block's backward. A block without such a child, or a
+    hook that does not fire, turns the session back to reloading from the start of each backward.
     """
 
     def __init__(self, session, blocks):
         self.session = session
         self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
-        self._calls = {}  # block -> [(child, output)] during that first forward
-        self._armed = set()  # blocks in a forward whose midpoint has not been hooked yet
+        self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
         self.handles = []
         for b in blocks:
             kids = list(b.children())
@@ -434,52 +449,77 @@ class Midpoints:
 
     @staticmethod
     def usable(blocks) -> bool:
-        """Every block has at least two children to find a middle between."""
-        return all(len(list(b.children())) >= 2 for b in blocks)
+        """Every block has at least two children to find a middle between (and this torch tells
+        a backward's recompute from a forward)."""
+        return _graph_task_id is not None and all(len(list(b.children())) >= 2 for b in blocks)
 
     def remove(self):
         for h in self.handles:
             h.remove()
         self.handles = []
 
+    def _state(self):
+        tls = self._tls
+        if not hasattr(tls, "calls"):
+            tls.calls, tls.armed = {}, set()
+        return tls
+
     def _block_pre(self, block, args):
         if _in_backward():
             return
+        tls = self._state()
         if block in self.mid:
-            self._armed.add(block)
+            tls.armed.add(block)
         else:
-            self._calls[block] = []
+            tls.calls[block] = []
 
     def _child_post(self, block, child, args, out):
         if _in_backward() or not torch.is_grad_enabled():
             return
+        tls = self._state()
         if block in self.mid:
             # The midpoint's first call only: a child called twice (one dropout module for both
             # branches) would otherwise also fire at the start of the backward.
-            if child is self.mid[block] and block in self._armed:
-                self._armed.discard(block)
-                self._hook(out)
-        elif block in self._calls:
-            self._calls[block].append((child, out))
+            if child is self.mid[block] and block in tls.armed:
+                tls.armed.discard(block)
+                node = _grad_node(out)
+                if node is not None:
+                    node.register_prehook(self._fire)
+        elif block in tls.calls:
+            tls.calls[block].append((child, _grad_node(out)))
 
     def _block_post(self, block, args, out):
-        self._armed.discard(block)
-        calls = self._calls.pop(block, None)
+        if _in_backward():
+            return
+        tls = self._state()
+        tls.armed.discard(block)
+        calls = tls.calls.pop(block, None)
         if not calls:
             return
         order = list(dict.fromkeys(c for c, _ in calls))
-        mid = order[(len(order) - 1) // 2]
-        self.mid[block] = mid
-        self._hook(next(o for c, o in calls if c is mid))  # this forward's midpoint too
+        nodes = {}
+        for c, node in calls:
+            nodes.setdefault(c, node)  # the first call of each child
+        middle = (len(order) - 1) / 2
+        with_grad = [i for i, c in enumerate(order) if nodes[c] is not None]
+        if not with_grad:
+            # Nothing in this block carries a gradient to hook: reload from the start instead.
+            self.session.defer_prefetch = False
+            return
+        i = min(with_grad, key=lambda j: (abs(j - middle), j))
+        self.mid[block] = order[i]
+        nodes[order[i]].register_prehook(self._fire)  # this forward's midpoint too
 
-    def _hook(self, out):
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(self._fire)
-                return
-
-    def _fire(self, grad):
+    def _fire(self, grad_outputs):
         self.session.flush_prefetch()
+
+
+def _grad_node(out):
+    """The autograd node of the first tensor in out that carries a gradient, else None."""
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+            return t.grad_fn
+    return None
 
 
 def _storage_ptr(t):

@@ -7,6 +7,7 @@
 #include <map>
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -240,15 +241,16 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
 
   std::shared_ptr<HostBlock> block;
   CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling, CUDA: the copy's two events
-  void* producer_stream = nullptr;                     // CUDA: the stream current at this call
+  c10::Stream producer_stream(c10::Stream::DEFAULT, device_);  // CUDA: the stream current at this call
   double host_copy_ms = -1.0;                          // profiling, host path: the copy's duration
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (cuda_) {
     c10::cuda::CUDAGuard guard(device_.index());  // events, copies and pinning on this device
     // The current stream, looked up now: it is the one that produced the tensor for this call.
-    cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    cudaStream_t compute = current.stream();
     check_not_capturing(compute, "offload");
-    producer_stream = compute;
+    producer_stream = current.unwrap();
     block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
     if (block) {
       cudaStream_t d2h = as_cuda(d2h_stream_);
@@ -495,10 +497,17 @@ void CopyEngine::release_sources_locked(size_t keep, std::vector<at::Tensor>& ga
     PendingSource& p = pending_.front();
 #ifdef CKPT_OFFLOAD_WITH_CUDA
     if (!event_done(p.done)) {
-      // The caching allocator hands freed memory out again on the stream that allocated it; that
-      // stream now waits for the copy, so whatever reuses the memory runs after the copy read it.
+      // The producing stream waits for the copy. The caching allocator hands freed memory out
+      // again on the stream that allocated it: normally this same stream, so whatever reuses the
+      // memory runs after the copy read it. A tensor allocated on another stream (a side-stream
+      // input) gets this stream recorded as a user, so the allocator also waits for this point
+      // before reusing it; for the allocating stream itself the allocator ignores the record.
       c10::cuda::CUDAGuard guard(device_.index());
-      p.done->block(as_cuda(p.stream));
+      const c10::cuda::CUDAStream producer(c10::cuda::CUDAStream::UNCHECKED, p.stream);
+      p.done->block(producer.stream());
+      if (p.tensor.has_storage()) {
+        c10::cuda::CUDACachingAllocator::recordStream(p.tensor.storage().data_ptr(), producer);
+      }
     }
 #endif
     garbage.push_back(std::move(p.tensor));

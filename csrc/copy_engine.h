@@ -141,7 +141,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   struct PendingSource {
     EventPtr done;
     at::Tensor tensor;
-    void* stream;  // cudaStream_t current at offload: the stream that produced (and allocated) it
+    c10::Stream stream;  // the stream current at offload: the one that produced it
   };
   // Sources kept past their offload before being handed back in stream order: the copy of the
   // newest ones is still likely running, and the compute stream should not wait for it.

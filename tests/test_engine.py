@@ -282,3 +282,29 @@ def test_profiling_times_every_copy_and_only_then(device):
     if eng is ckpt_offload.engine_for(device):
         top = ckpt_offload.stats()
         assert top["d2h_gb_per_s"] == pytest.approx(nbytes / top["d2h_copy_ms"] / 1e6)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_source_made_on_a_side_stream_is_not_reused_before_its_copy():
+    # The source is allocated on a side stream but offloaded while the (busy) main stream is
+    # current, and handed back before its copy has run. The side stream allocates at once: without
+    # the engine recording the main stream as a user, it would get the same memory and overwrite it
+    # before the copy read it.
+    n = 1 << 22
+    eng = ckpt_offload.engine_for("cuda")
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            x = torch.full((n,), 3.0, device="cuda")
+        main.wait_stream(side)
+        torch.cuda._sleep(200_000_000)  # main busy: the copy, ordered after it, cannot start yet
+        h = eng.offload(x)
+        del x
+        assert eng.release_sources(0) == 0
+        with torch.cuda.stream(side):
+            y = torch.full((n,), float("nan"), device="cuda")
+        out = eng.fetch(h)
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(out, 3.0))
+        del y, out

@@ -135,3 +135,85 @@ def test_sources_return_to_the_allocator_while_the_gpu_is_still_behind():
     theoretical = (L - 1) * 4 * 512 * 256 * 4
     assert held[False] - held[True] >= 0.95 * theoretical, (held, theoretical)
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+class _Rotary(torch.nn.Module):
+    def forward(self, x):
+        return torch.arange(x.shape[-1], dtype=x.dtype)  # a table: no gradient flows through it
+
+
+class _Aux(torch.nn.Module):
+    def forward(self, x):
+        return x.mean()  # needs grad, but the loss never uses it
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, h, middle):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.middle = middle
+        self.attn = torch.nn.Linear(h, h)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h))
+
+    def forward(self, x):
+        y = self.norm(x)
+        table = self.middle(y)
+        if table.dim() == 1:
+            y = y + 0 * table  # used, but carries no gradient back
+        x = x + self.attn(y)
+        return x + self.mlp(x)
+
+
+def _stack(middle_cls, n=6, h=32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(_Block(h, middle_cls()) for _ in range(n)))
+
+
+def test_midpoint_skips_children_without_a_gradient():
+    model = _stack(_Rotary)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    x = torch.randn(4, 8, 32)
+    for _ in range(2):
+        ckpt_offload.reset_stats()
+        model(x).square().mean().backward()
+        assert ckpt_offload.stats()["reloads_on_demand"] == 0
+    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.hooks.Midpoints)]
+    # Forward order norm, middle, attn, mlp: the middle carries no gradient; attn is as near the halfway point.
+    assert all(midpoints.mid[b] is b.attn for b in model)
+
+
+def test_a_midpoint_that_never_fires_falls_back_to_reloading_from_the_start():
+    model = _stack(_Aux)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    session = model._ckpt_offload_state.session
+    x = torch.randn(4, 8, 32)
+    ref = _stack(_Aux)
+    grads = []
+    for m in (model, ref):
+        m(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert session.midpoint_misses == 1 and session.defer_prefetch is False
+    ckpt_offload.reset_stats()
+    model(x).square().mean().backward()
+    assert ckpt_offload.stats()["reloads_on_demand"] == 0
+
+
+def test_a_backward_that_stops_partway_leaves_no_false_miss():
+    model = make_model(layers=L, hidden=32, heads=4)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    session = model._ckpt_offload_state.session
+    ids = make_batch()
+    loss_of(model, ids).backward()
+    # A gradient with respect to a tensor inside block 3, ahead of its midpoint: that backward
+    # reaches block 3's reload point but never its midpoint, and leaves a reload point behind.
+    captured = []
+    hook = model.blocks[3].proj.register_forward_hook(lambda m, a, out: captured.append(out))
+    loss = loss_of(model, ids)
+    hook.remove()
+    torch.autograd.grad(loss, captured[0])
+    assert session._tls.pending is not None
+    ckpt_offload.reset_stats()
+    loss_of(model, ids).backward()  # a new backward: the point left behind is stale, not a miss
+    assert session.midpoint_misses == 0 and session.defer_prefetch is True
+    assert ckpt_offload.stats()["reloads_on_demand"] == 0
