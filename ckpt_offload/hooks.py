@@ -173,7 +173,7 @@ class OffloadSession:
 
     def pack(self, t):
         if not self._is_candidate(t):
-            return _Packed(t, self._next_seq)
+            return _Packed(t, self._next_seq, self._group)
         packed = self._number(t)
         if self.keep_last > 0:
             # The newest keep_last candidates wait on the device; the oldest of them goes now.
@@ -187,7 +187,7 @@ class OffloadSession:
         return packed
 
     def pack_kept(self, t):
-        return self._number(t) if self._is_candidate(t) else _Packed(t, self._next_seq)
+        return self._number(t) if self._is_candidate(t) else _Packed(t, self._next_seq, self._group)
 
     def unpack(self, packed):
         if packed.kept is not None:

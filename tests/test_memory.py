@@ -217,3 +217,39 @@ def test_a_backward_that_stops_partway_leaves_no_false_miss():
     loss_of(model, ids).backward()  # a new backward: the point left behind is stale, not a miss
     assert session.midpoint_misses == 0 and session.defer_prefetch is True
     assert ckpt_offload.stats()["reloads_on_demand"] == 0
+
+
+class _ScaledBlock(_Block):
+    def __init__(self, h):
+        super().__init__(h, torch.nn.Identity())
+
+    def forward(self, x, scale):
+        return super().forward(x * scale)
+
+
+class _ScaledStack(torch.nn.Module):
+    """Each block also receives a weight of the model positionally: saved, but never offloaded."""
+
+    def __init__(self, n=5, h=32):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(h))
+        self.blocks = torch.nn.ModuleList(_ScaledBlock(h) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.scale)
+        return x
+
+
+def test_tensors_a_layer_saves_but_does_not_offload_do_not_count_as_missed_midpoints():
+    torch.manual_seed(0)
+    model = _ScaledStack()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    session = model._ckpt_offload_state.session
+    x = torch.randn(4, 8, 32)
+    for _ in range(2):
+        ckpt_offload.reset_stats()
+        model(x).square().mean().backward()
+    s = ckpt_offload.stats()
+    assert session.midpoint_misses == 0 and session.defer_prefetch is True
+    assert s["reloads_on_demand"] == 0 and s["tensors_offloaded"] == 4
