@@ -76,6 +76,8 @@ def hardware_block(step, bw):
 
 def step_section(step):
     cfg = step["config"]
+    gpu = bool(step["hardware"].get("gpu"))
+    peak_key = "peak_device_bytes" if gpu else "live_peak_bytes"
     out = [f"## Training step: decoder stack, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads, "
            f"{cfg['kv_heads']} KV heads, MLP {cfg['mlp']}, batch {cfg['batch']}, {cfg['dtype']}",
            "", f"{step['note']}; timing: {step['timing']}. Command: `{step['hardware']['command']}`", ""]
@@ -85,20 +87,25 @@ def step_section(step):
             rows.append([r["mode"], r["seq"], r.get("error") or r.get("skipped")] + [""] * 8)
             continue
         rows.append([r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}",
-                     num(r.get("time_vs_full")), gib(r.get("peak_device_bytes")), num(r.get("peak_vs_full")),
-                     gib(r.get("act_host_bytes")), num(r.get("reload_wait_ms_profiled"), "{:.2f}"),
+                     num(r.get("time_vs_full")), human(r.get(peak_key)), num(r.get("peak_vs_full")),
+                     human(r.get("act_host_bytes")), num(r.get("reload_wait_ms_profiled"), "{:.2f}"),
                      f"{num(r.get('d2h_gb_per_s'), '{:.1f}')} / {num(r.get('h2d_gb_per_s'), '{:.1f}')}",
                      r.get("host_alloc_calls_timed")])
-    out.append(md_table(["mode", "seq", "ms (median)", "ms min-max", "time / full", "peak GiB", "peak / full",
-                         "host GiB", "reload wait ms", "D2H / H2D GB/s", "host allocs"], rows))
+    out.append(md_table(["mode", "seq", "ms (median)", "ms min-max", "time / full",
+                         "peak allocated" if gpu else "peak live tensors*", "peak / full",
+                         "host bytes after forward", "reload wait ms", "D2H / H2D GB/s", "host allocs"], rows))
+    if not gpu:
+        out.append("\n\\* No device memory on the CPU: the most bytes of live tensors during an untimed step, above "
+                   "weights, gradients and inputs (`ckpt_offload.testing.LiveBytes`).")
     for seq, lk in sorted((step.get("link") or {}).items(), key=lambda kv: int(kv[0])):
         if lk:
             out.append(f"\nPinned peak at seq {seq} ({lk['block_bytes'] / 2**20:g} MiB blocks, plain torch): "
                        f"D2H {lk['d2h_gb_per_s']:.1f} GB/s, H2D {lk['h2d_gb_per_s']:.1f} GB/s")
     if step.get("savings"):
-        out += ["", md_table(["saving of", "against", "seq", "theoretical", "measured", "fraction"],
+        out += ["", md_table(["saving of", "against", "seq", "theoretical", "measured at the peak", "fraction",
+                              "measured after forward"],
                              [[s["mode"], s["vs"], s["seq"], human(s["theoretical_bytes"]), human(s["measured_bytes"]),
-                               num(s.get("fraction"))] for s in step["savings"]])]
+                               num(s.get("fraction")), human(s.get("after_forward_bytes"))] for s in step["savings"]])]
     if step.get("targets"):
         verdict = lambda t: "met" if t["met"] else ("**missed**" if t["met"] is False else "n/a")  # noqa: E731
         out += ["", "### Targets", "", md_table(
