@@ -10,7 +10,7 @@ from ._loader import load
 _C = load()
 
 _counters_lock = threading.Lock()
-_counters = {"tensors_kept_on_device": 0, "shared_views": 0}
+_counters = {"tensors_kept_on_device": 0, "shared_views": 0, "midpoint_misses": 0}
 
 
 def count(name: str, n: int = 1) -> None:

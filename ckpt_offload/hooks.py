@@ -321,6 +321,7 @@ class OffloadSession:
             # The previous layer's midpoint never fired (its hooked output got no gradient): start
             # its reloads now and reload from the start of each backward from here on.
             self.midpoint_misses += 1
+            _engine.count("midpoint_misses")
             self.defer_prefetch = False
             self._tls.pending = None
             self._prefetch_before(min(held[0], seq))

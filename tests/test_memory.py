@@ -194,6 +194,7 @@ def test_a_midpoint_that_never_fires_falls_back_to_reloading_from_the_start():
         grads.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert session.midpoint_misses == 1 and session.defer_prefetch is False
+    assert ckpt_offload.stats()["midpoint_misses"] == 1
     ckpt_offload.reset_stats()
     model(x).square().mean().backward()
     assert ckpt_offload.stats()["reloads_on_demand"] == 0
