@@ -139,7 +139,8 @@ class Decoder(nn.Module):
 
 
 def sync_offload_call(block, x):
-    """What transformers 5.x does for gradient_checkpointing_enable(offload=True), per layer."""
+    """What transformers 5.x does for activation_checkpointing_enable(offload=True) (formerly
+    gradient_checkpointing_enable), per layer."""
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         return tuc.checkpoint(block, x, use_reentrant=False)
 
@@ -361,7 +362,8 @@ def run_checks(rows, refs, base, bitwise_pairs, cuda, restored):
 
 # -- the transformers comparison --------------------------------------------------------------------
 def hf_support():
-    """(module, signature parameters of gradient_checkpointing_enable) or (None, reason)."""
+    """(transformers, integrations.hf, parameters of transformers' checkpointing switch) or
+    (None, reason)."""
     try:
         import inspect
 
@@ -369,8 +371,9 @@ def hf_support():
         from ckpt_offload.integrations import hf
     except ImportError as err:
         return None, f"transformers comparison skipped: {err}"
-    params = inspect.signature(transformers.PreTrainedModel.gradient_checkpointing_enable).parameters
-    return (transformers, hf, set(params)), ""
+    switch = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+    switch = switch or transformers.PreTrainedModel.gradient_checkpointing_enable
+    return (transformers, hf, set(inspect.signature(switch).parameters)), ""
 
 
 def build_hf_model(transformers, a, device, dtype):
@@ -386,19 +389,18 @@ def build_hf_model(transformers, a, device, dtype):
 
 def apply_hf_mode(model, mode, a, hf, params):
     """Returns an error string when this transformers lacks what the mode needs."""
-    model.gradient_checkpointing_disable()
     hf.disable(model)
     if mode == "hf_none":
         return ""
     if "every_n_layers" not in params:
-        return "this transformers has no gradient_checkpointing_enable(every_n_layers=...)"
-    kw = dict(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=a.hf_every)
+        return "this transformers' checkpointing switch has no every_n_layers"
+    kw = dict(checkpoint_kwargs={"use_reentrant": False}, every_n_layers=a.hf_every)
     if mode == "hf_gc":
-        model.gradient_checkpointing_enable(**kw)
+        hf.checkpointing_enable(model, **kw)
     elif mode == "hf_gc_sync_offload":
         if "offload" not in params:
-            return "this transformers has no gradient_checkpointing_enable(offload=...)"
-        model.gradient_checkpointing_enable(**kw, offload=True)
+            return "this transformers' checkpointing switch has no offload"
+        hf.checkpointing_enable(model, **kw, offload=True)
     else:
         hf.enable(model, every_n_layers=a.hf_every, offload=True, keep_last=a.keep_last, prefetch=a.prefetch)
     return ""

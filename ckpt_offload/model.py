@@ -131,7 +131,7 @@ def enable_checkpointing(
     if not ours and gc_cls is not None and any(isinstance(b, gc_cls) and b.gradient_checkpointing for b in blocks):
         raise ValueError(
             "enable_checkpointing: transformers' own gradient checkpointing is on for this model; call "
-            "model.gradient_checkpointing_disable() first, or use ckpt_offload.integrations.hf.enable(model, ...)"
+            "ckpt_offload.integrations.hf.checkpointing_disable(model) first, or use ckpt_offload.integrations.hf.enable(model, ...)"
         )
 
     checkpointed = [i for i in range(len(blocks)) if i % every_n_layers == 0]

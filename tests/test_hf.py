@@ -51,7 +51,7 @@ def marked(model):
 @pytest.mark.parametrize("every_n", [1, 2, 3])
 def test_same_layers_as_transformers(arch, every_n):
     theirs = tiny(arch)
-    theirs.gradient_checkpointing_enable(every_n_layers=every_n)
+    hf.checkpointing_enable(theirs, every_n_layers=every_n)
     ours = tiny(arch)
     idx = hf.enable(ours, every_n_layers=every_n, offload=True)
     assert idx == marked(theirs) == marked(ours) == list(range(0, LAYERS, every_n))
@@ -64,7 +64,7 @@ def test_same_layers_as_transformers(arch, every_n):
 def test_gradients_match_transformers_offload(arch, every_n):
     ids = batch()
     theirs = tiny(arch)
-    theirs.gradient_checkpointing_enable(every_n_layers=every_n, offload=True)
+    hf.checkpointing_enable(theirs, every_n_layers=every_n, offload=True)
     ref_loss, ref = step(theirs, ids)
     ckpt_offload.reset_stats()
 
@@ -121,7 +121,7 @@ def test_enable_checkpointing_reconfigures_and_restores_a_transformers_model():
 
 def test_enable_refuses_double_checkpointing_and_bad_arguments():
     model = tiny("llama")
-    model.gradient_checkpointing_enable()
+    hf.checkpointing_enable(model)
     with pytest.raises(ValueError, match="transformers' own gradient checkpointing is on"):
         ckpt_offload.enable_checkpointing(model)
     with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
@@ -156,8 +156,7 @@ def _trainer_losses(tmp_path, callbacks, every_n=2):
         use_cpu=True,
         seed=0,
         dataloader_num_workers=0,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"every_n_layers": every_n, "offload": True},
+        **hf.checkpointing_args(every_n_layers=every_n, offload=True),
     )
     trainer = transformers.Trainer(model=tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
     trainer.train()

@@ -1,7 +1,8 @@
 """transformers integration: its own gradient checkpointing, with the async engine for offload.
 
 enable() keeps transformers' layer selection (GradientCheckpointingLayer, every_n_layers) and only
-replaces the synchronous save_on_cpu offload of `gradient_checkpointing_enable(offload=True)`.
+replaces the synchronous save_on_cpu offload of `activation_checkpointing_enable(offload=True)`
+(`gradient_checkpointing_enable` before transformers renamed it).
 OffloadCallback does the same for a Trainer run from its TrainingArguments.
 """
 from __future__ import annotations
@@ -23,6 +24,45 @@ from ..hooks import Midpoints, OffloadSession, _check_int
 _STATE_ATTR = "_ckpt_offload_hf"
 
 
+# transformers renamed its switches during 5.x (gradient_checkpointing_* became
+# activation_checkpointing_*, the old names kept as deprecated aliases until v6): these use the new
+# names where they exist and the old ones before.
+def checkpointing_enable(model, checkpoint_kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
+    """transformers' own checkpointing of `model`, through whichever name this transformers has."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=checkpoint_kwargs, every_n_layers=every_n_layers, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=checkpoint_kwargs, every_n_layers=every_n_layers, offload=offload
+        )
+
+
+def checkpointing_disable(model) -> None:
+    """transformers' own checkpointing off, through whichever name this transformers has."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
+    """TrainingArguments keywords that turn checkpointing on, under this transformers' names:
+    transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True))."""
+    fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"every_n_layers": every_n_layers, "offload": offload, **checkpoint_kwargs}}
+
+
+def training_args_checkpointing(args):
+    """(on, kwargs) of a TrainingArguments: activation_checkpointing[_kwargs], or the older
+    gradient_checkpointing[_kwargs]."""
+    if hasattr(args, "activation_checkpointing"):
+        return bool(args.activation_checkpointing), dict(args.activation_checkpointing_kwargs or {})
+    return bool(args.gradient_checkpointing), dict(args.gradient_checkpointing_kwargs or {})
+
+
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
            prefetch_bytes=None, **checkpoint_kwargs) -> list[int]:
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
@@ -38,11 +78,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     _check_int("hf.enable", "prefetch", prefetch, 0)
     if checkpoint_kwargs.pop("use_reentrant", False):
         raise ValueError("hf.enable: use_reentrant=True is not supported; ckpt_offload checkpoints non-reentrantly")
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs},
-        every_n_layers=every_n_layers,
-        offload=False,
-    )
+    checkpointing_enable(model, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
     _forget(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
@@ -82,8 +118,8 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
 
 
 def disable(model) -> None:
-    """transformers' gradient_checkpointing_disable(), and forgets the offload settings."""
-    model.gradient_checkpointing_disable()
+    """transformers' own checkpointing off, and forgets the offload settings."""
+    checkpointing_disable(model)
     _forget(model)
 
 
@@ -103,10 +139,11 @@ def state(model):
 class OffloadCallback(TrainerCallback):
     """Makes a Trainer run use the async engine.
 
-    Use with TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs=
-    {"every_n_layers": 4, "offload": True}); at the start of training the model's checkpointing is
-    re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are this
-    callback's own.
+    Use with TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs=
+    {"every_n_layers": 4, "offload": True}) (gradient_checkpointing / gradient_checkpointing_kwargs
+    in transformers releases before the rename); at the start of training the model's checkpointing
+    is re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are
+    this callback's own.
     """
 
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
@@ -118,15 +155,16 @@ class OffloadCallback(TrainerCallback):
         self.checkpointed = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not args.gradient_checkpointing:
-            warnings.warn("OffloadCallback: gradient_checkpointing is off in TrainingArguments; nothing to offload")
+        on, gc_kwargs = training_args_checkpointing(args)
+        if not on:
+            warnings.warn("OffloadCallback: checkpointing is off in TrainingArguments; nothing to offload")
             return
-        gc_kwargs = dict(args.gradient_checkpointing_kwargs or {})
         every_n_layers = gc_kwargs.pop("every_n_layers", 1)
         offload = gc_kwargs.pop("offload", False)
         if not offload:
             warnings.warn(
-                "OffloadCallback: gradient_checkpointing_kwargs has no 'offload': True; checkpointing runs without offload"
+                "OffloadCallback: the checkpointing kwargs of TrainingArguments have no 'offload': True; "
+                "checkpointing runs without offload"
             )
         self.checkpointed = enable(
             model,
