@@ -333,7 +333,7 @@ class OffloadSession:
         """Starts the reloads held by _reload_point (called from the middle of a layer's backward)."""
         held = getattr(self._tls, "pending", None)
         self._tls.pending = None
-        if held is not None:
+        if held is not None and held[2] == _graph_task_id():  # else left by an earlier backward
             self._prefetch_before(held[0])
 
     def _prefetch_before(self, seq):
@@ -444,7 +444,8 @@ class Midpoints:
         for b in blocks:
             kids = list(b.children())
             self.handles.append(b.register_forward_pre_hook(self._block_pre))
-            self.handles.append(b.register_forward_hook(self._block_post))
+            # always_call: a forward that raises still ends the learning, so the nodes it kept go.
+            self.handles.append(b.register_forward_hook(self._block_post, always_call=True))
             for c in kids:
                 self.handles.append(c.register_forward_hook(functools.partial(self._child_post, b)))
 
@@ -478,7 +479,9 @@ class Midpoints:
         if _in_backward() or not torch.is_grad_enabled():
             return
         tls = self._state()
-        if block in self.mid:
+        if block in tls.calls:  # this thread's forward is learning the order (first forward)
+            tls.calls[block].append((child, _grad_node(out)))
+        elif block in self.mid:
             # The midpoint's first call only: a child called twice (one dropout module for both
             # branches) would otherwise also fire at the start of the backward.
             if child is self.mid[block] and block in tls.armed:
@@ -486,8 +489,6 @@ class Midpoints:
                 node = _grad_node(out)
                 if node is not None:
                     node.register_prehook(self._fire)
-        elif block in tls.calls:
-            tls.calls[block].append((child, _grad_node(out)))
 
     def _block_post(self, block, args, out):
         if _in_backward():
@@ -495,7 +496,7 @@ class Midpoints:
         tls = self._state()
         tls.armed.discard(block)
         calls = tls.calls.pop(block, None)
-        if not calls:
+        if not calls or out is None:  # nothing learned, or the forward raised
             return
         order = list(dict.fromkeys(c for c, _ in calls))
         nodes = {}

@@ -491,23 +491,39 @@ void CopyEngine::poll_locked(std::vector<at::Tensor>& garbage) {
   }
 }
 
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+// The stream-ordered hand-back below relies on the native caching allocator: a freed block goes
+// back to its allocating stream, and recordStream on that stream is a no-op. Other backends
+// (cudaMallocAsync) keep the sources until the host sees their copies complete.
+static bool native_cuda_allocator() {
+  static const bool native = c10::cuda::CUDACachingAllocator::get()->name() == "native";
+  return native;
+}
+#endif
+
 void CopyEngine::release_sources_locked(size_t keep, std::vector<at::Tensor>& garbage) {
   poll_locked(garbage);
   while (pending_.size() > keep) {
     PendingSource& p = pending_.front();
 #ifdef CKPT_OFFLOAD_WITH_CUDA
     if (!event_done(p.done)) {
+      if (!native_cuda_allocator()) break;  // held until poll sees the copy complete
       // The producing stream waits for the copy. The caching allocator hands freed memory out
       // again on the stream that allocated it: normally this same stream, so whatever reuses the
       // memory runs after the copy read it. A tensor allocated on another stream (a side-stream
-      // input) gets this stream recorded as a user, so the allocator also waits for this point
-      // before reusing it; for the allocating stream itself the allocator ignores the record.
+      // input) gets this stream recorded as a user, so the allocator keeps the memory until this
+      // point has run; for the allocating stream itself, and for memory the allocator did not
+      // hand out, the record is a no-op.
       c10::cuda::CUDAGuard guard(device_.index());
       const c10::cuda::CUDAStream producer(c10::cuda::CUDAStream::UNCHECKED, p.stream);
       p.done->block(producer.stream());
-      if (p.tensor.has_storage()) {
-        c10::cuda::CUDACachingAllocator::recordStream(p.tensor.storage().data_ptr(), producer);
+      at::Tensor tensor = std::move(p.tensor);
+      pending_.pop_front();
+      if (tensor.has_storage()) {
+        c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), producer);
       }
+      garbage.push_back(std::move(tensor));
+      continue;
     }
 #endif
     garbage.push_back(std::move(p.tensor));

@@ -308,3 +308,32 @@ def test_source_made_on_a_side_stream_is_not_reused_before_its_copy():
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(out, 3.0))
         del y, out
+
+
+_ASYNC_BACKEND_SCRIPT = r"""
+import torch, ckpt_offload
+eng = ckpt_offload.engine_for("cuda")
+x = torch.full((1 << 22,), 3.0, device="cuda")
+torch.cuda._sleep(200_000_000)  # the copy, ordered after this, cannot have run yet
+h = eng.offload(x)
+del x
+held = eng.release_sources(0)
+out = eng.fetch(h)
+torch.cuda.synchronize()
+assert torch.equal(out, torch.full_like(out, 3.0))
+print("held", held)
+"""
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_malloc_async_backend_keeps_sources_until_their_copy_completes():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    p = subprocess.run([sys.executable, "-c", _ASYNC_BACKEND_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "held 1" in p.stdout, p.stdout  # not handed back early under this backend

@@ -254,3 +254,28 @@ def test_tensors_a_layer_saves_but_does_not_offload_do_not_count_as_missed_midpo
     s = ckpt_offload.stats()
     assert session.midpoint_misses == 0 and session.defer_prefetch is True
     assert s["reloads_on_demand"] == 0 and s["tensors_offloaded"] == 4
+
+
+def test_a_first_forward_that_raises_inside_a_block_leaks_nothing():
+    # Before the midpoints are known, the first forward notes each child's autograd node; an
+    # exception inside a block (an out-of-memory, say) must not leave them holding the graph.
+    import gc
+
+    model = make_model(layers=L, hidden=64, heads=4, max_len=S)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    ids = make_batch(batch=B, seq=S)
+
+    def boom(module, args, out):
+        raise MemoryError("simulated")
+
+    hook = model.blocks[4].fc1.register_forward_hook(boom)
+    with pytest.raises(MemoryError):
+        loss_of(model, ids)
+    hook.remove()
+    gc.collect()
+    assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+    ckpt_offload.reset_stats()
+    loss_of(model, ids).backward()  # and the next step learns the midpoints as usual
+    loss_of(model, ids).backward()
+    s = ckpt_offload.stats()
+    assert s["reloads_on_demand"] == 0 and s["midpoint_misses"] == 0 and s["host_in_use_bytes"] == 0
