@@ -53,6 +53,11 @@ _ENGINE_KEYS = (
 )
 
 
+# The pool's figures that stats() reports, each as host_<name> (and peak_in_use_bytes as host_peak_bytes).
+_POOL_KEYS = ("pinned", "reserved_bytes", "in_use_bytes", "alloc_calls", "allocated_bytes", "free_calls", "hits",
+              "misses", "cap_refusals", "alloc_failures", "capacity_bytes")
+
+
 def stats() -> dict:
     """Counters of every engine summed, the host pool's figures (host_*), and the Python layer's."""
     out = {k: 0 for k in _ENGINE_KEYS}
@@ -60,20 +65,8 @@ def stats() -> dict:
         for k, v in eng.stats().items():
             out[k] += v
     pool = _C.global_pool().stats()
-    out.update(
-        host_pinned=pool["pinned"],
-        host_reserved_bytes=pool["reserved_bytes"],
-        host_in_use_bytes=pool["in_use_bytes"],
-        host_peak_bytes=pool["peak_in_use_bytes"],
-        host_alloc_calls=pool["alloc_calls"],
-        host_allocated_bytes=pool["allocated_bytes"],
-        host_free_calls=pool["free_calls"],
-        host_hits=pool["hits"],
-        host_misses=pool["misses"],
-        host_cap_refusals=pool["cap_refusals"],
-        host_alloc_failures=pool["alloc_failures"],
-        host_capacity_bytes=pool["capacity_bytes"],
-    )
+    out.update({f"host_{k}": pool[k] for k in _POOL_KEYS})
+    out["host_peak_bytes"] = pool["peak_in_use_bytes"]
     with _counters_lock:
         out.update(_counters)
     out["profiling"] = _C.profiling()

@@ -389,6 +389,22 @@ class OffloadSession:
         self._deferred = []
         self.poll()
 
+    def attach(self, model, blocks) -> list:
+        """The hooks a checkpointed model needs around this session; returns their handles.
+
+        Before each forward, the model's own weights and buffers, which a block may receive
+        positionally, are excluded from offload (looked up anew: .to() or FSDP may move them).
+        After each forward, sources go back to the allocator. Reloads start mid-backward in each
+        of `blocks` when they allow it (see Midpoints).
+        """
+        handles = [
+            model.register_forward_pre_hook(lambda module, args: self.exclude_module_tensors(module)),
+            model.register_forward_hook(lambda *_: self.poll()),
+        ]
+        if Midpoints.usable(blocks):
+            handles.append(Midpoints(self, blocks))
+        return handles
+
     def exclude_module_tensors(self, model):
         """Never offload model's parameters and buffers (by storage), until the next call."""
         ptrs = set()
@@ -438,6 +454,7 @@ class Midpoints:
 
     def __init__(self, session, blocks):
         self.session = session
+        session.defer_prefetch = True  # reload points wait for the midpoints from now on
         self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
         self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
         self.handles = []

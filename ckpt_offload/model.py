@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
-from .hooks import Midpoints, OffloadSession, _check_int
+from .hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_state"
 
@@ -157,19 +157,7 @@ def enable_checkpointing(
     else:
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
-    hooks = []
-    if session is not None and Midpoints.usable([blocks[i] for i in checkpointed]):
-        # Reloads of earlier layers start in the middle of each checkpointed block's backward,
-        # after its memory peak (see Midpoints).
-        midpoints = Midpoints(session, [blocks[i] for i in checkpointed])
-        session.defer_prefetch = True
-        hooks.append(midpoints)
-    if session is not None:
-        # Before each forward: the model's own weights and buffers, which a block may receive
-        # positionally, are never offloaded (looked up anew: .to() or FSDP may have moved them).
-        hooks.append(model.register_forward_pre_hook(lambda module, args: session.exclude_module_tensors(module)))
-        # After each forward: drop the sources whose copies to host have finished.
-        hooks.append(model.register_forward_hook(lambda *_: session.poll()))
+    hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
     return checkpointed
 

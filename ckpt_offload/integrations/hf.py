@@ -19,7 +19,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from ..checkpointing import checkpoint_function
-from ..hooks import Midpoints, OffloadSession, _check_int
+from ..hooks import OffloadSession, _check_int
 
 _STATE_ATTR = "_ckpt_offload_hf"
 
@@ -102,17 +102,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
             if m.gradient_checkpointing:
                 m._gradient_checkpointing_func = func
-    # Weights and buffers a layer receives positionally are never offloaded; finished copies
-    # free their sources after each forward.
-    hooks = [
-        model.register_forward_pre_hook(lambda module, args: session.exclude_module_tensors(module)),
-        model.register_forward_hook(lambda *_: session.poll()),
-    ]
-    blocks = [layers[i] for i in checkpointed]
-    if Midpoints.usable(blocks):
-        # Reloads of earlier layers start in the middle of each layer's backward (see Midpoints).
-        hooks.append(Midpoints(session, blocks))
-        session.defer_prefetch = True
+    hooks = session.attach(model, [layers[i] for i in checkpointed])
     model.__dict__[_STATE_ATTR] = (checkpointed, offloaded, hooks)
     return checkpointed
 
