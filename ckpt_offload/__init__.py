@@ -9,7 +9,8 @@ _C = _load()
 
 from .checkpointing import checkpoint  # noqa: E402
 from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
-from .hooks import OffloadSession, offload_activations  # noqa: E402
+from .activations import offload_activations  # noqa: E402
+from .session import OffloadSession  # noqa: E402
 from .model import checkpointing_state, disable_checkpointing, enable_checkpointing, find_repeated_blocks  # noqa: E402
 
 HostPool = _C.HostPool

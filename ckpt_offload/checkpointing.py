@@ -6,7 +6,7 @@ import warnings
 import torch
 import torch.utils.checkpoint as _tuc
 
-from .hooks import OffloadSession
+from .session import OffloadSession
 
 # Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
 _CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")

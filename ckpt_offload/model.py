@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
-from .hooks import OffloadSession, _check_int
+from ._args import check_int as _check_int
+from .session import OffloadSession
 
 _STATE_ATTR = "_ckpt_offload_state"
 

@@ -62,7 +62,7 @@ def test_midpoint_is_the_child_halfway_through_the_forward():
     model = make_model(layers=3, hidden=32, heads=4)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
     loss_of(model, make_batch()).backward()
-    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.hooks.Midpoints)]
+    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Children in forward order: ln1, qkv, proj, dropout (attention branch), ln2, fc1, fc2.
     assert all(midpoints.mid[b] is b.dropout for b in model.blocks)
     ckpt_offload.disable_checkpointing(model)
@@ -177,7 +177,7 @@ def test_midpoint_skips_children_without_a_gradient():
         ckpt_offload.reset_stats()
         model(x).square().mean().backward()
         assert ckpt_offload.stats()["reloads_on_demand"] == 0
-    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.hooks.Midpoints)]
+    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Forward order norm, middle, attn, mlp: the middle carries no gradient; attn is as near the halfway point.
     assert all(midpoints.mid[b] is b.attn for b in model)
 

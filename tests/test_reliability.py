@@ -998,7 +998,7 @@ def private_engine(monkeypatch, request):
     ckpt_offload.reset_stats()
     eng = ckpt_offload.CopyEngine("cpu" if device == "cpu" else "cuda:0", pool)
     monkeypatch.setattr(ckpt_offload.engine, "engine_for", lambda dev: eng)
-    monkeypatch.setattr(ckpt_offload.hooks, "_refusal_warned", False)
+    monkeypatch.setattr(ckpt_offload.session, "_refusal_warned", False)
     return eng, pool
 
 

@@ -19,7 +19,8 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from ..checkpointing import checkpoint_function
-from ..hooks import OffloadSession, _check_int
+from .._args import check_int as _check_int
+from ..session import OffloadSession
 
 _STATE_ATTR = "_ckpt_offload_hf"
 

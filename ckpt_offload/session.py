@@ -1,11 +1,9 @@
-"""Saved-tensor hooks that send activations through the copy engine and prefetch them in backward.
-
-An OffloadSession holds the policy (what to offload, how far to prefetch) and the order in which
-tensors were packed; the engine in ckpt_offload._C does the copies.
+"""OffloadSession: the offload policy (what to offload, how far to prefetch) and the bookkeeping of
+one model or context; its saved-tensor hooks send activations through the copy engine in
+ckpt_offload._C and bring them back ahead of need in backward.
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import warnings
@@ -13,10 +11,11 @@ import weakref
 from bisect import bisect_left
 
 import torch
-import torch.utils._pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine as _engine
+from ._args import check_int as _check_int
+from .midpoints import Midpoints, _graph_task_id
 
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -428,119 +427,6 @@ class OffloadSession:
             eng.release_sources(0)
 
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward on this thread (a checkpoint's recompute, say)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
-
-
-class Midpoints:
-    """Moves where a checkpointed layer's backward starts the reloads of earlier layers: from its
-    start to its middle.
-
-    At its start the layer recomputes its forward, and its backward's largest tensors (the MLP's)
-    come first: reloads started there sit on the device at that layer's memory peak, so each layer
-    in flight costs its full input at the peak. From the middle, they arrive while the rest of the
-    backward (attention, for a transformer block) still hides the copy, after the peak.
-
-    The middle: the first forward records the order in which each block's direct children run;
-    the midpoint is the child nearest the halfway point whose output has a gradient. In every
-    forward (not in the recompute) a hook goes on the autograd node of the midpoint's output;
-    autograd calls it halfway through the block's backward. A block without such a child, or a
-    hook that does not fire, turns the session back to reloading from the start of each backward.
-    """
-
-    def __init__(self, session, blocks):
-        self.session = session
-        session.defer_prefetch = True  # reload points wait for the midpoints from now on
-        self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
-        self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
-        self.handles = []
-        for b in blocks:
-            kids = list(b.children())
-            self.handles.append(b.register_forward_pre_hook(self._block_pre))
-            # always_call: a forward that raises still ends the learning, so the nodes it kept go.
-            self.handles.append(b.register_forward_hook(self._block_post, always_call=True))
-            for c in kids:
-                self.handles.append(c.register_forward_hook(functools.partial(self._child_post, b)))
-
-    @staticmethod
-    def usable(blocks) -> bool:
-        """Every block has at least two children to find a middle between (and this torch tells
-        a backward's recompute from a forward)."""
-        return _graph_task_id is not None and all(len(list(b.children())) >= 2 for b in blocks)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-    def _state(self):
-        tls = self._tls
-        if not hasattr(tls, "calls"):
-            tls.calls, tls.armed = {}, set()
-        return tls
-
-    def _block_pre(self, block, args):
-        if _in_backward():
-            return
-        tls = self._state()
-        if block in self.mid:
-            tls.armed.add(block)
-        else:
-            tls.calls[block] = []
-
-    def _child_post(self, block, child, args, out):
-        if _in_backward() or not torch.is_grad_enabled():
-            return
-        tls = self._state()
-        if block in tls.calls:  # this thread's forward is learning the order (first forward)
-            tls.calls[block].append((child, _grad_node(out)))
-        elif block in self.mid:
-            # The midpoint's first call only: a child called twice (one dropout module for both
-            # branches) would otherwise also fire at the start of the backward.
-            if child is self.mid[block] and block in tls.armed:
-                tls.armed.discard(block)
-                node = _grad_node(out)
-                if node is not None:
-                    node.register_prehook(self._fire)
-
-    def _block_post(self, block, args, out):
-        if _in_backward():
-            return
-        tls = self._state()
-        tls.armed.discard(block)
-        calls = tls.calls.pop(block, None)
-        if not calls or out is None:  # nothing learned, or the forward raised
-            return
-        order = list(dict.fromkeys(c for c, _ in calls))
-        nodes = {}
-        for c, node in calls:
-            nodes.setdefault(c, node)  # the first call of each child
-        middle = (len(order) - 1) / 2
-        with_grad = [i for i, c in enumerate(order) if nodes[c] is not None]
-        if not with_grad:
-            # Nothing in this block carries a gradient to hook: reload from the start instead.
-            self.session.defer_prefetch = False
-            return
-        i = min(with_grad, key=lambda j: (abs(j - middle), j))
-        self.mid[block] = order[i]
-        nodes[order[i]].register_prehook(self._fire)  # this forward's midpoint too
-
-    def _fire(self, grad_outputs):
-        self.session.flush_prefetch()
-
-
-def _grad_node(out):
-    """The autograd node of the first tensor in out that carries a gradient, else None."""
-    for t in torch.utils._pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-            return t.grad_fn
-    return None
-
-
 def _storage_ptr(t):
     """Data pointer of a plain tensor's storage; None for subclasses (DTensor under FSDP2, fake
     tensors) and freed storages, which are never offload candidates anyway."""
@@ -568,52 +454,3 @@ def _warn_refused(eng):
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-class offload_activations:
-    """Context manager: every activation saved for backward inside it, of at least min_bytes, is
-    copied asynchronously to pinned host memory and prefetched back in backward.
-
-    Parameters, buffers, CPU, meta and subclass tensors stay where they are; views of one storage
-    range move once. keep_last: the last N saved tensors stay on the device. prefetch: how many
-    saved tensors are on their way back ahead of need (prefetch_bytes caps it by bytes).
-    """
-
-    def __init__(self, min_bytes: int = 1 << 20, keep_last: int = 0, prefetch: int = 4, prefetch_bytes=None):
-        _check_int("offload_activations", "min_bytes", min_bytes, 0)
-        _check_int("offload_activations", "keep_last", keep_last, 0)
-        _check_int("offload_activations", "prefetch", prefetch, 0)
-        if prefetch_bytes is not None:
-            _check_int("offload_activations", "prefetch_bytes", prefetch_bytes, 1)
-        self.session = OffloadSession(
-            min_bytes=min_bytes,
-            keep_last=keep_last,
-            prefetch=prefetch,
-            prefetch_bytes=prefetch_bytes,
-            track_modules=True,
-            prefetch_unit="tensor",
-        )
-        self._hooks = None
-
-    def __enter__(self):
-        if self._hooks is not None:
-            raise RuntimeError("offload_activations: this context is already active; create a new one to nest")
-        self.session.begin()
-        self._hooks = self.session.hooks()
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self._hooks.__exit__(*exc)
-        finally:
-            self._hooks = None
-            self.session.end()
-        return False
-
-
-def _check_int(where, name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value}")
