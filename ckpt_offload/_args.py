@@ -6,3 +6,21 @@ def check_int(where, name, value, minimum):
         raise TypeError(f"{where}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value}")
+
+
+def check_bool(where, name, value):
+    # A string or a number is not a switch: "no" and 0.0 would otherwise turn into True and False.
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_not_reentrant(where, value):
+    """use_reentrant=None or False is what ckpt_offload runs; True is refused with the reason."""
+    if value is None or value is False:
+        return
+    if value is True:
+        raise ValueError(
+            f"{where}: use_reentrant=True is not supported; the reentrant variant saves no inputs through "
+            "saved-tensor hooks in a way offload can follow. Use use_reentrant=False (or leave it out)."
+        )
+    raise TypeError(f"{where}: use_reentrant must be True, False or None, got {value!r} ({type(value).__name__})")

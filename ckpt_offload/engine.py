@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from ._args import check_bool
 from ._loader import load
 
 _C = load()
@@ -95,7 +96,8 @@ def profile(on: bool = True) -> None:
     (stats()['reload_wait_ms']) and how long each copy takes on its copy stream
     (d2h_copy_ms / h2d_copy_ms for d2h_bytes_timed / h2d_bytes_timed; on the host-only path, the
     synchronous copies' wall time). Off by default: it adds events to every copy and reload."""
-    _C.set_profiling(bool(on))
+    check_bool("profile", "on", on)
+    _C.set_profiling(on)
 
 
 def synchronize() -> None:

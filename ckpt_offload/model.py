@@ -8,10 +8,15 @@ import torch
 from torch import nn
 
 from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
+from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
+from ._args import check_not_reentrant as _check_not_reentrant
 from .session import OffloadSession
 
 _STATE_ATTR = "_ckpt_offload_state"
+# integrations.hf.enable (directly, through OffloadCallback or hf.install) keeps its state here:
+# (checkpointed indices, offloaded indices, hook handles).
+HF_STATE_ATTR = "_ckpt_offload_hf"
 
 
 def _gc_layer_class():
@@ -93,14 +98,18 @@ def enable_checkpointing(
     prefetch: int = 1,
     prefetch_bytes: int | None = None,
     layers=None,
+    use_reentrant=None,
 ) -> list[int]:
     """Checkpoints the first repeated block and every n-th after it (0-based index % n == 0).
 
     With offload=True the checkpointed blocks' inputs live in pinned host memory between forward
     and backward, except the last keep_last, which backward needs first. prefetch: how many
     offloaded layers are on their way back ahead of need (prefetch_bytes caps it by bytes).
-    layers: an explicit list of blocks instead of the search. Calling again reconfigures.
-    Returns the 0-based indices of the checkpointed blocks.
+    layers: the blocks to consider instead of all repeated blocks: either modules, in forward
+    order, or 0-based indices into find_repeated_blocks(model) (such as this function returns).
+    every_n_layers then counts within that list. Calling again reconfigures.
+    Returns the 0-based indices of the checkpointed blocks: into find_repeated_blocks(model), or
+    with layers=[modules], into that list. use_reentrant: only None or False (non-reentrant).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -109,11 +118,15 @@ def enable_checkpointing(
     _check_int("enable_checkpointing", "prefetch", prefetch, 0)
     if prefetch_bytes is not None:
         _check_int("enable_checkpointing", "prefetch_bytes", prefetch_bytes, 1)
-    if not isinstance(offload, bool):
-        raise TypeError(f"enable_checkpointing: offload must be True or False, got {offload!r}")
+    _check_bool("enable_checkpointing", "offload", offload)
+    _check_not_reentrant("enable_checkpointing", use_reentrant)
 
-    if layers is None:
+    numbering = None  # with layers=[indices]: the index of each block among the repeated blocks
+    if layers is None or (isinstance(layers, (list, tuple)) and layers and all(_is_index(i) for i in layers)):
         blocks = find_repeated_blocks(model)
+        if layers is not None:
+            numbering = _check_indices(layers, len(blocks))
+            blocks = [blocks[i] for i in numbering]
         if not blocks:
             raise ValueError(
                 f"enable_checkpointing: no repeated blocks found in {type(model).__name__}: searched for "
@@ -126,7 +139,12 @@ def enable_checkpointing(
             raise ValueError("enable_checkpointing: layers is empty")
         for i, b in enumerate(blocks):
             if not isinstance(b, nn.Module):
-                raise TypeError(f"enable_checkpointing: layers[{i}] must be an nn.Module, got {type(b).__name__}")
+                raise TypeError(
+                    f"enable_checkpointing: layers[{i}] is a {type(b).__name__}: layers must be all nn.Module "
+                    "blocks or all int indices into find_repeated_blocks(model), not a mix"
+                )
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("enable_checkpointing: layers names a block more than once")
     gc_cls = _gc_layer_class()
     ours = _STATE_ATTR in model.__dict__
     if not ours and gc_cls is not None and any(isinstance(b, gc_cls) and b.gradient_checkpointing for b in blocks):
@@ -159,8 +177,33 @@ def enable_checkpointing(
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
     hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
+    if numbering is not None:
+        checkpointed = [numbering[i] for i in checkpointed]
+        offloaded = [numbering[i] for i in offloaded]
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
     return checkpointed
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_indices(layers, count):
+    """layers=[indices]: each within find_repeated_blocks' count, none twice; in forward order."""
+    if count == 0:
+        raise ValueError(
+            "enable_checkpointing: layers=[indices] counts into find_repeated_blocks(model), which found no "
+            "repeated blocks in this model; pass the blocks themselves as layers=[module, ...]"
+        )
+    for i in layers:
+        if not 0 <= i < count:
+            raise ValueError(
+                f"enable_checkpointing: layers index {i} is out of range: the model has {count} repeated "
+                f"blocks (find_repeated_blocks), so indices run 0..{count - 1}"
+            )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"enable_checkpointing: layers names an index more than once: {list(layers)}")
+    return sorted(layers)
 
 
 def disable_checkpointing(model: nn.Module) -> None:
@@ -180,6 +223,12 @@ def disable_checkpointing(model: nn.Module) -> None:
 
 
 def checkpointing_state(model: nn.Module):
-    """(checkpointed indices, offloaded indices) or None when not enabled."""
+    """(checkpointed indices, offloaded indices), as enable_checkpointing or integrations.hf.enable
+    (also through OffloadCallback or hf.install) returned them; None when neither configured the model."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"checkpointing_state: model must be a torch.nn.Module, got {type(model).__name__}")
     state = model.__dict__.get(_STATE_ATTR)
-    return None if state is None else (list(state.checkpointed), list(state.offloaded))
+    if state is not None:
+        return list(state.checkpointed), list(state.offloaded)
+    hf_state = model.__dict__.get(HF_STATE_ATTR)
+    return None if hf_state is None else (list(hf_state[0]), list(hf_state[1]))

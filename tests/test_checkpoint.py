@@ -263,8 +263,8 @@ def test_explicit_layers_and_errors():
         ckpt_offload.enable_checkpointing(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         ckpt_offload.enable_checkpointing("model")
-    with pytest.raises(TypeError, match=r"layers\[0\] must be an nn.Module"):
-        ckpt_offload.enable_checkpointing(model, layers=[3])
+    with pytest.raises(TypeError, match=r"layers\[1\] is a int: layers must be all nn.Module blocks or all int"):
+        ckpt_offload.enable_checkpointing(model, layers=[model.blocks[0], 3])
     with pytest.raises(ValueError, match="every_n_layers must be an int >= 1, got 0"):
         ckpt_offload.enable_checkpointing(model, every_n_layers=0)
     with pytest.raises(TypeError, match="every_n_layers must be an int >= 1"):
