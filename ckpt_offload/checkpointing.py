@@ -4,8 +4,11 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _tuc
 
+from ._args import check_bool as _check_bool
+from ._args import check_not_reentrant as _check_not_reentrant
 from .session import OffloadSession
 
 # Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
@@ -13,6 +16,7 @@ _CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "de
 
 _default_session = None
 _kwarg_warned = False
+_container_warned = False
 
 
 def default_session() -> OffloadSession:
@@ -40,11 +44,33 @@ def warn_kwarg_tensors(kwargs) -> None:
             return
 
 
+def warn_container_tensors(args) -> None:
+    """torch's checkpoint saves only the tensors among its positional arguments through the hooks;
+    one inside a list, tuple or dict is kept as part of that object, on the device. Say so once."""
+    global _container_warned
+    for i, value in enumerate(args):
+        if isinstance(value, (list, tuple, dict)) and any(
+            isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in _pytree.tree_leaves(value)
+        ):
+            _container_warned = True
+            warnings.warn(
+                f"ckpt_offload: positional argument {i} is a {type(value).__name__} holding a tensor that "
+                "requires grad; it is not offloaded: a checkpoint offloads only the tensors passed directly "
+                "as positional arguments, not those inside a list, tuple or dict. Pass them one by one to "
+                "offload them. Shown once.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+
+
 def run_checkpoint(session, function, args, kwargs, keep=False):
     """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device;
     keep=True: stay on device but start the reloads of earlier layers when backward reaches them)."""
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if not keep and not _container_warned:
+        warn_container_tensors(args)
     with session.hooks(keep=keep):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -64,17 +90,14 @@ def checkpoint(function, *args, offload: bool = True, use_reentrant=None, sessio
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
     those of torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False). Tensors
-    passed through keywords or closures are not offloaded (saved-tensor hooks cannot see them).
+    passed through keywords or closures, or inside a list, tuple or dict, are not offloaded
+    (saved-tensor hooks cannot see them; a warning says so once). An offloaded input comes back
+    in backward as an equal tensor, not the same Python object.
     """
-    if use_reentrant:
-        raise ValueError(
-            "ckpt_offload.checkpoint: use_reentrant=True is not supported; the reentrant variant saves "
-            "no inputs through saved-tensor hooks in a way offload can follow. Use use_reentrant=False."
-        )
+    _check_not_reentrant("ckpt_offload.checkpoint", use_reentrant)
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
-    if not isinstance(offload, bool):
-        raise TypeError(f"ckpt_offload.checkpoint: offload must be True or False, got {offload!r}")
+    _check_bool("ckpt_offload.checkpoint", "offload", offload)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
     if offload and session is None:
         session = default_session()

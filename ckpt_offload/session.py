@@ -5,6 +5,7 @@ ckpt_offload._C and bring them back ahead of need in backward.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 import weakref
@@ -14,6 +15,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine as _engine
+from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from .midpoints import Midpoints, _graph_task_id
 
@@ -51,7 +53,7 @@ class _Packed:
     """What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself
     while it stays on the device (kept, or waiting in the keep-last queue)."""
 
-    __slots__ = ("record", "kept", "view", "seq", "group", "version", "counter", "stream")
+    __slots__ = ("record", "kept", "view", "seq", "group", "version", "counter", "stream", "source")
 
     def __init__(self, kept, seq, group=0):
         self.record = None
@@ -63,6 +65,7 @@ class _Packed:
         self.version = kept._version
         self.counter = None  # the version counter, once the tensor itself is no longer held
         self.stream = None  # the producer's stream, for a send deferred by the keep-last queue
+        self.source = None  # weakref to the tensor once offloaded: names its grad_fn in _modified_error
 
 
 def _attach(packed, rec, counter, view):
@@ -72,16 +75,36 @@ def _attach(packed, rec, counter, view):
         packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - rec.storage_offset)
     packed.record = rec
     packed.counter = counter
+    packed.source = weakref.ref(t)
     packed.kept = None
 
 
 def _modified_error(packed, now):
+    """autograd's own in-place error, word for word: saved-tensor hooks switch its check off, so
+    unpack redoes it. An offloaded tensor is described by its copy (dtype, shape, device); the
+    "which is output N of F" part needs the tensor itself, and is left out when it is gone."""
     t = packed.kept
-    what = f"{t.type()} {list(t.shape)}" if t is not None else "an offloaded tensor"
+    if t is not None:
+        what = f"{t.type()} {list(t.shape)}"
+    else:
+        rec = packed.record
+        like = rec.tensor if rec.tensor is not None else rec.handle
+        shape = packed.view[0] if packed.view is not None else like.shape
+        what = f"{torch.empty(0, dtype=like.dtype, device=like.device).type()} {list(shape)}"
+        t = packed.source() if packed.source is not None else None
+    origin = ""
+    if t is not None and t.grad_fn is not None:
+        # autograd names the node by its forward operation: MulBackward0 -> Mul, MyFnBackward -> MyFn.
+        origin = f", which is output {t.output_nr} of {re.sub(r'Backward[0-9]*$', '', t.grad_fn.name())},"
+    if torch.is_anomaly_enabled():
+        hint = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+                "The variable in question was changed in there or anywhere later. Good luck!")
+    else:
+        hint = ("Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+                "with torch.autograd.set_detect_anomaly(True, check_nan=False).")
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{what}] is at version {now}; expected version {packed.version} instead. (ckpt_offload checks this "
-        "itself: saved-tensor hooks switch off autograd's own check.)"
+        f"[{what}]{origin} is at version {now}; expected version {packed.version} instead. {hint}"
     )
 
 
@@ -101,6 +124,7 @@ class OffloadSession:
         _check_int("OffloadSession", "prefetch", prefetch, 0)
         if prefetch_bytes is not None:
             _check_int("OffloadSession", "prefetch_bytes", prefetch_bytes, 1)
+        _check_bool("OffloadSession", "track_modules", track_modules)
         if prefetch_unit not in ("layer", "tensor"):
             raise ValueError(f"OffloadSession: prefetch_unit must be 'layer' or 'tensor', got {prefetch_unit!r}")
         # "layer": prefetch counts hooks() contexts (one per checkpoint call), however many tensors
