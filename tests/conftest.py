@@ -34,3 +34,13 @@ def clean_stats():
     ckpt_offload.reset_stats()
     yield
     ckpt_offload.profile(False)
+
+
+@pytest.fixture(autouse=True)
+def no_hf_routing():
+    """hf.install() (implied by hf.checkpointing_args(offload=True)) patches transformers for the
+    whole process: undone after every test, so that no test sees another's routing."""
+    yield
+    hf = sys.modules.get("ckpt_offload.integrations.hf")
+    if hf is not None:
+        hf.uninstall()

@@ -1,5 +1,8 @@
 """transformers integration on tiny models built from configs (no downloads): the same layers as
-transformers' own every_n_layers, the same gradients as its save_on_cpu offload, and a Trainer run."""
+transformers' own every_n_layers, the same gradients as its save_on_cpu offload, a Trainer run, and
+hf.install() routing transformers' own offload=True (model methods and Trainer) to the engine."""
+import warnings
+
 import pytest
 import torch
 
@@ -134,7 +137,9 @@ def test_enable_refuses_double_checkpointing_and_bad_arguments():
     assert marked(model) == [] and hf.state(model) is None
 
 
-def _trainer_losses(tmp_path, callbacks, every_n=2):
+def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None):
+    """Losses of a 3-step Trainer run; checkpointing: the TrainingArguments keywords (default
+    hf.checkpointing_args(every_n_layers=every_n, offload=True))."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -145,6 +150,8 @@ def _trainer_losses(tmp_path, callbacks, every_n=2):
             ids = batch(seed=100 + i)[0]
             return {"input_ids": ids, "labels": ids}
 
+    if checkpointing is None:
+        checkpointing = hf.checkpointing_args(every_n_layers=every_n, offload=True)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=3,
@@ -156,24 +163,170 @@ def _trainer_losses(tmp_path, callbacks, every_n=2):
         use_cpu=True,
         seed=0,
         dataloader_num_workers=0,
-        **hf.checkpointing_args(every_n_layers=every_n, offload=True),
+        **checkpointing,
     )
     trainer = transformers.Trainer(model=tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
 
-def test_trainer_callback_same_losses(tmp_path):
-    base, _ = _trainer_losses(tmp_path / "a", [])
-    assert ckpt_offload.stats()["bytes_offloaded"] == 0  # transformers' own offload: not ours
-    callback = hf.OffloadCallback(keep_last=1)
-    ours, trainer = _trainer_losses(tmp_path / "b", [callback])
-    assert len(base) == len(ours) == 3
-    assert ours == base
-    assert callback.checkpointed == [0, 2, 4]
+def _own_keywords(every_n=2, **extra):
+    """The TrainingArguments keywords of transformers' own checkpointing, without going through hf."""
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"every_n_layers": every_n, "offload": True, **extra}}
+
+
+def test_trainer_same_losses_with_and_without_the_callback(tmp_path):
+    base, _ = _trainer_losses(tmp_path / "a", [], checkpointing=_own_keywords())
+    assert ckpt_offload.stats()["bytes_offloaded"] == 0  # transformers' own save_on_cpu: not ours
+    assert not hf.installed()
+    per_step = 2 * (B * S * H * 4)  # layers 0, 2, 4 checkpointed; 0 and 2 offloaded, 4 kept
+    # checkpointing_args(offload=True) installs the routing: no callback needed.
+    plain, trainer = _trainer_losses(tmp_path / "b", [])
+    assert hf.installed()
+    assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 2, 4], [0, 2])
     s = ckpt_offload.stats()
-    assert s["bytes_offloaded"] == 3 * 2 * (B * S * H * 4)  # 3 steps x 2 offloaded layers
+    assert s["tensors_offloaded"] == 3 * 2 and s["bytes_offloaded"] == 3 * per_step
     assert s["host_in_use_bytes"] == 0
+    ckpt_offload.reset_stats()
+    callback = hf.OffloadCallback(keep_last=1)
+    ours, trainer = _trainer_losses(tmp_path / "c", [callback])
+    assert len(base) == len(ours) == len(plain) == 3
+    assert ours == base and plain == base
+    assert callback.checkpointed == [0, 2, 4]
+    assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 2, 4], [0, 2])
+    s = ckpt_offload.stats()
+    assert s["bytes_offloaded"] == 3 * per_step  # 3 steps x 2 offloaded layers
+    assert s["host_in_use_bytes"] == 0
+
+
+def test_trainer_with_transformers_own_keywords_after_install(tmp_path):
+    base, _ = _trainer_losses(tmp_path / "a", [], checkpointing=_own_keywords())
+    hf.install()
+    ours, trainer = _trainer_losses(tmp_path / "b", [], checkpointing=_own_keywords())
+    assert ours == base
+    assert ckpt_offload.stats()["tensors_offloaded"] == 3 * 2
+    assert hf.state(trainer.model) == ([0, 2, 4], [0, 2])
+
+
+def _enable_names(model):
+    """transformers' own switches this release has: the new name and the deprecated one."""
+    return [n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable") if hasattr(model, n)]
+
+
+def _own_enable(model, name, checkpoint_kwargs=None, **kwargs):
+    prefix = name[: -len("_enable")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated name says so
+        getattr(model, name)(**{f"{prefix}_kwargs": checkpoint_kwargs}, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_install_routes_transformers_own_offload_under_every_name(arch):
+    ids = batch()
+    theirs = tiny(arch)
+    hf.checkpointing_enable(theirs, every_n_layers=2, offload=True)  # transformers' save_on_cpu
+    ref_loss, ref = step(theirs, ids)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+    hf.install()
+    hf.install()  # idempotent
+    assert hf.installed()
+    for name in _enable_names(theirs):
+        ckpt_offload.reset_stats()
+        ours = tiny(arch)
+        _own_enable(ours, name, every_n_layers=2, offload=True)
+        assert marked(ours) == [0, 2, 4]
+        assert ckpt_offload.checkpointing_state(ours) == ([0, 2, 4], [0, 2])
+        loss, got = step(ours, ids)
+        assert torch.equal(loss, ref_loss), name
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (name, k)
+        s = ckpt_offload.stats()
+        assert s["tensors_offloaded"] >= 2 and s["bytes_offloaded"] >= 2 * B * S * H * 4
+        assert s["host_in_use_bytes"] == 0
+        # offload=False afterwards: transformers' own checkpointing, and our hooks are gone.
+        _own_enable(ours, name, every_n_layers=3, offload=False)
+        assert marked(ours) == [0, 3] and hf.state(ours) is None
+        ckpt_offload.reset_stats()
+        step(ours, ids)
+        assert ckpt_offload.stats()["tensors_offloaded"] == 0
+    hf.uninstall()
+    hf.uninstall()  # idempotent
+    assert not hf.installed()
+    again = tiny(arch)
+    hf.checkpointing_enable(again, every_n_layers=2, offload=True)
+    ckpt_offload.reset_stats()
+    loss, _ = step(again, ids)
+    assert torch.equal(loss, ref_loss)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0 and hf.state(again) is None  # save_on_cpu again
+
+
+def test_install_replaces_one_method_and_uninstall_restores_it():
+    owner = transformers.PreTrainedModel
+    before = dict(owner.__dict__)
+    hf.install()
+    changed = [k for k in owner.__dict__ if owner.__dict__[k] is not before.get(k)]
+    assert len(changed) == 1 and changed[0] in ("_activation_checkpointing_enable", "gradient_checkpointing_enable")
+    hf.uninstall()
+    assert all(owner.__dict__[k] is before[k] for k in before)
+
+
+def test_install_checks_the_arguments_transformers_passes():
+    hf.install()
+    model = tiny("llama")
+    name = _enable_names(model)[0]
+    with pytest.raises(TypeError, match=r"under hf.install\(\): offload must be True or False, got 'yes'"):
+        _own_enable(model, name, offload="yes")
+    with pytest.raises(ValueError, match=r"under hf.install\(\): use_reentrant=True is not supported"):
+        _own_enable(model, name, offload=True, checkpoint_kwargs={"use_reentrant": True})
+    _own_enable(model, name, offload=True, checkpoint_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+    assert hf.state(model) == ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+
+
+def test_arguments_are_checked_where_they_are_given():
+    model = tiny("llama")
+    with pytest.raises(TypeError, match="hf.enable: offload must be True or False, got 'yes'"):
+        hf.enable(model, offload="yes")
+    with pytest.raises(TypeError, match="hf.checkpointing_args: offload must be True or False, got 'no'"):
+        hf.checkpointing_args(offload="no")
+    with pytest.raises(ValueError, match="hf.checkpointing_args: use_reentrant=True is not supported"):
+        hf.checkpointing_args(every_n_layers=2, offload=True, use_reentrant=True)
+    with pytest.raises(ValueError, match="hf.checkpointing_args: every_n_layers must be an int >= 1, got 0"):
+        hf.checkpointing_args(every_n_layers=0)
+    with pytest.raises(TypeError, match="hf.checkpointing_enable: offload must be True or False"):
+        hf.checkpointing_enable(model, offload=1)
+    with pytest.raises(TypeError, match="hf.enable: prefetch_bytes must be an int >= 1"):
+        hf.enable(model, prefetch_bytes=1.5)
+    with pytest.raises(TypeError, match="OffloadCallback: prefetch_bytes must be an int >= 1"):
+        hf.OffloadCallback(prefetch_bytes="1G")
+    assert not hf.installed()  # nothing was installed by the rejected calls
+    assert hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False)
+    assert not hf.installed()
+
+
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        ({"offload": "no"}, TypeError, r"OffloadCallback .*offload must be True or False, got 'no'"),
+        ({"use_reentrant": True}, ValueError, r"OffloadCallback .*use_reentrant=True is not supported"),
+    ],
+)
+def test_callback_checks_the_training_arguments(tmp_path, bad, error, match):
+    with pytest.raises(error, match=match):
+        _trainer_losses(tmp_path, [hf.OffloadCallback()], checkpointing=_own_keywords(**bad))
+
+
+def test_checkpointing_state_of_hf_enable():
+    model = tiny("llama")
+    assert ckpt_offload.checkpointing_state(model) is None
+    assert hf.enable(model, every_n_layers=2, offload=True) == [0, 2, 4]
+    assert ckpt_offload.checkpointing_state(model) == ([0, 2, 4], [0, 2])
+    hf.enable(model, every_n_layers=3, offload=False)
+    assert ckpt_offload.checkpointing_state(model) == ([0, 3], [])
+    hf.disable(model)
+    assert ckpt_offload.checkpointing_state(model) is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

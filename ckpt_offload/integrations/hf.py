@@ -3,10 +3,13 @@
 enable() keeps transformers' layer selection (GradientCheckpointingLayer, every_n_layers) and only
 replaces the synchronous save_on_cpu offload of `activation_checkpointing_enable(offload=True)`
 (`gradient_checkpointing_enable` before transformers renamed it).
-OffloadCallback does the same for a Trainer run from its TrainingArguments.
+OffloadCallback does the same for a Trainer run from its TrainingArguments; install() does it
+for transformers' own offload=True everywhere.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 try:
@@ -19,10 +22,11 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from ..checkpointing import checkpoint_function
+from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
+from .._args import check_not_reentrant as _check_not_reentrant
+from ..model import HF_STATE_ATTR as _STATE_ATTR
 from ..session import OffloadSession
-
-_STATE_ATTR = "_ckpt_offload_hf"
 
 
 # transformers renamed its switches during 5.x (gradient_checkpointing_* became
@@ -30,6 +34,8 @@ _STATE_ATTR = "_ckpt_offload_hf"
 # names where they exist and the old ones before.
 def checkpointing_enable(model, checkpoint_kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
     """transformers' own checkpointing of `model`, through whichever name this transformers has."""
+    _check_int("hf.checkpointing_enable", "every_n_layers", every_n_layers, 1)
+    _check_bool("hf.checkpointing_enable", "offload", offload)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs=checkpoint_kwargs, every_n_layers=every_n_layers, offload=offload
@@ -50,7 +56,16 @@ def checkpointing_disable(model) -> None:
 
 def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
     """TrainingArguments keywords that turn checkpointing on, under this transformers' names:
-    transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True))."""
+    transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True)).
+
+    With offload=True this also calls install(), so that the Trainer's own offload=True goes
+    through the async engine with or without OffloadCallback (uninstall() undoes it).
+    """
+    _check_int("hf.checkpointing_args", "every_n_layers", every_n_layers, 1)
+    _check_bool("hf.checkpointing_args", "offload", offload)
+    _check_not_reentrant("hf.checkpointing_args", checkpoint_kwargs.get("use_reentrant"))
+    if offload:
+        install()
     fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return {name: True, f"{name}_kwargs": {"every_n_layers": every_n_layers, "offload": offload, **checkpoint_kwargs}}
@@ -77,8 +92,10 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
     _check_int("hf.enable", "keep_last", keep_last, 0)
     _check_int("hf.enable", "prefetch", prefetch, 0)
-    if checkpoint_kwargs.pop("use_reentrant", False):
-        raise ValueError("hf.enable: use_reentrant=True is not supported; ckpt_offload checkpoints non-reentrantly")
+    if prefetch_bytes is not None:
+        _check_int("hf.enable", "prefetch_bytes", prefetch_bytes, 1)
+    _check_bool("hf.enable", "offload", offload)
+    _check_not_reentrant("hf.enable", checkpoint_kwargs.pop("use_reentrant", None))
     checkpointing_enable(model, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
     _forget(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -140,6 +157,8 @@ class OffloadCallback(TrainerCallback):
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
         _check_int("OffloadCallback", "keep_last", keep_last, 0)
         _check_int("OffloadCallback", "prefetch", prefetch, 0)
+        if prefetch_bytes is not None:
+            _check_int("OffloadCallback", "prefetch_bytes", prefetch_bytes, 1)
         self.keep_last = keep_last
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
@@ -152,6 +171,10 @@ class OffloadCallback(TrainerCallback):
             return
         every_n_layers = gc_kwargs.pop("every_n_layers", 1)
         offload = gc_kwargs.pop("offload", False)
+        where = "OffloadCallback (checkpointing kwargs of TrainingArguments)"
+        _check_int(where, "every_n_layers", every_n_layers, 1)
+        _check_bool(where, "offload", offload)
+        _check_not_reentrant(where, gc_kwargs.pop("use_reentrant", None))
         if not offload:
             warnings.warn(
                 "OffloadCallback: the checkpointing kwargs of TrainingArguments have no 'offload': True; "
@@ -160,7 +183,7 @@ class OffloadCallback(TrainerCallback):
         self.checkpointed = enable(
             model,
             every_n_layers=every_n_layers,
-            offload=bool(offload),
+            offload=offload,
             keep_last=min(self.keep_last, self._count(model, every_n_layers)),
             prefetch=self.prefetch,
             prefetch_bytes=self.prefetch_bytes,
@@ -171,3 +194,84 @@ class OffloadCallback(TrainerCallback):
     def _count(model, every_n_layers):
         n = sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
         return len(range(0, n, every_n_layers))
+
+
+# -- install(): transformers' own offload=True through the engine -------------------------------------
+# Both names (activation_checkpointing_enable and the deprecated gradient_checkpointing_enable), the
+# Trainer and subclasses that override either all end in one PreTrainedModel method: the private
+# _activation_checkpointing_enable since the rename, gradient_checkpointing_enable itself before.
+# That method is the one replaced, so every way in is covered by one patch.
+_installed = None  # (method name, transformers' function, our replacement) while installed
+
+
+def _patch_point():
+    owner = transformers.PreTrainedModel
+    for name in ("_activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        if name in owner.__dict__:
+            return name
+    raise RuntimeError(  # pragma: no cover - a transformers release this module does not know
+        f"hf.install: transformers {transformers.__version__} has neither PreTrainedModel._activation_checkpointing_enable "
+        "nor gradient_checkpointing_enable; this release is not supported"
+    )
+
+
+def install() -> None:
+    """Routes transformers' own offload=True to the async engine, for every model and Trainer.
+
+    After it, model.activation_checkpointing_enable(..., offload=True) (gradient_checkpointing_enable
+    in older releases and as the deprecated alias), and a Trainer whose TrainingArguments carry
+    {"offload": True} in their checkpointing kwargs, keep transformers' layer selection and offload
+    as enable(model, every_n_layers=..., offload=True) does, with keep_last=1 and prefetch=1.
+    offload=False is transformers' own path, unchanged. Calling it again does nothing;
+    uninstall() restores transformers' own save_on_cpu offload.
+    """
+    global _installed
+    if _installed is not None:
+        return
+    name = _patch_point()
+    original = transformers.PreTrainedModel.__dict__[name]
+    signature = inspect.signature(original)
+
+    kwargs_name = list(signature.parameters)[1]  # activation_ or gradient_checkpointing_kwargs
+
+    @functools.wraps(original)
+    def routed(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        offload = bound.arguments.get("offload", False)
+        where = f"{type(self).__name__}.{name.lstrip('_')} under hf.install()"
+        _check_bool(where, "offload", offload)
+        if not offload:
+            _forget(self)  # transformers' own checkpointing replaces ours: our hooks go
+            return original(*bound.args, **bound.kwargs)
+        checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
+        _check_not_reentrant(where, checkpoint_kwargs.pop("use_reentrant", None))
+        every_n_layers = bound.arguments.get("every_n_layers", 1)
+        _check_int(where, "every_n_layers", every_n_layers, 1)
+        # enable() turns transformers' checkpointing on through this method again, with
+        # offload=False (transformers' own path above), then puts the engine in.
+        enable(self, every_n_layers=every_n_layers, offload=True,
+               keep_last=min(1, OffloadCallback._count(self, every_n_layers)), **checkpoint_kwargs)
+
+    setattr(transformers.PreTrainedModel, name, routed)
+    _installed = (name, original, routed)
+
+
+def uninstall() -> None:
+    """Undoes install(): transformers' own offload=True (save_on_cpu) again. Models configured
+    while it was installed keep their engine offload until reconfigured. No-op if not installed."""
+    global _installed
+    if _installed is None:
+        return
+    name, original, routed = _installed
+    if transformers.PreTrainedModel.__dict__.get(name) is not routed:
+        raise RuntimeError(
+            f"hf.uninstall: transformers.PreTrainedModel.{name} was replaced again after hf.install(); "
+            "undo that replacement first, so that restoring transformers' own does not drop it"
+        )
+    setattr(transformers.PreTrainedModel, name, original)
+    _installed = None
+
+
+def installed() -> bool:
+    """Whether install() is in effect."""
+    return _installed is not None
