@@ -1,0 +1,241 @@
+"""What a new user meets first: arguments checked where they are given (bools as bools, reentrant
+refused by name, layer indices), inputs that are not offloaded said out loud, autograd's own
+in-place error word for word, and a README that documents every statistic."""
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+
+import ckpt_offload
+import ckpt_offload.checkpointing as ck
+from tiny_gpt import grads, loss_of, make_batch, make_model
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+B, S, H = 2, 16, 32
+INPUT_BYTES = B * S * H * 4  # one block input of the tiny model, float32
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+# -- bools are bools -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: ckpt_offload.checkpoint(torch.sin, torch.ones(1), offload="yes"), "ckpt_offload.checkpoint: offload"),
+        (lambda: ckpt_offload.enable_checkpointing(make_model(), offload="no"), "enable_checkpointing: offload"),
+        (lambda: ckpt_offload.enable_checkpointing(make_model(), offload=1), "enable_checkpointing: offload"),
+        (lambda: ckpt_offload.OffloadSession(track_modules="yes"), "OffloadSession: track_modules"),
+        (lambda: ckpt_offload.profile("no"), "profile: on"),
+    ],
+)
+def test_bools_are_checked_as_bools(call, match):
+    with pytest.raises(TypeError, match=match + " must be True or False"):
+        call()
+    assert ckpt_offload.stats()["profiling"] is False  # profile("no") did not switch profiling on
+
+
+# -- use_reentrant ---------------------------------------------------------------------------------
+def test_enable_checkpointing_refuses_reentrant_like_checkpoint():
+    model = make_model()
+    with pytest.raises(ValueError) as ours:
+        ckpt_offload.enable_checkpointing(model, use_reentrant=True)
+    with pytest.raises(ValueError) as theirs:
+        ckpt_offload.checkpoint(torch.sin, torch.ones(1), use_reentrant=True)
+    assert str(ours.value).startswith("enable_checkpointing: use_reentrant=True is not supported")
+    assert str(ours.value).split(": ", 1)[1] == str(theirs.value).split(": ", 1)[1]
+    with pytest.raises(TypeError, match="enable_checkpointing: use_reentrant must be True, False or None"):
+        ckpt_offload.enable_checkpointing(model, use_reentrant="no")
+    assert ckpt_offload.checkpointing_state(model) is None  # nothing was configured
+    assert ckpt_offload.enable_checkpointing(model, every_n_layers=3, use_reentrant=False) == [0, 3]
+
+
+# -- layers=[indices] ------------------------------------------------------------------------------
+def test_layers_as_indices_match_layers_as_modules():
+    ids = make_batch()
+    by_module = make_model()
+    assert ckpt_offload.enable_checkpointing(by_module, layers=[by_module.blocks[1], by_module.blocks[4]],
+                                             offload=True, keep_last=0) == [0, 1]
+    loss_of(by_module, ids).backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * INPUT_BYTES
+    ckpt_offload.reset_stats()
+
+    by_index = make_model()
+    # Indices count into find_repeated_blocks(model), and so does what comes back.
+    assert ckpt_offload.enable_checkpointing(by_index, layers=[4, 1], offload=True, keep_last=0) == [1, 4]
+    assert ckpt_offload.checkpointing_state(by_index) == ([1, 4], [1, 4])
+    loss_of(by_index, ids).backward()
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * INPUT_BYTES
+    a, b = grads(by_module), grads(by_index)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [("forward" in m.__dict__) for m in by_index.blocks] == [False, True, False, False, True, False]
+
+
+def test_enable_checkpointing_returns_what_layers_accepts():
+    model = make_model()
+    returned = ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=True)
+    assert returned == [0, 2, 4]
+    assert ckpt_offload.enable_checkpointing(model, layers=returned, offload=True, keep_last=1) == returned
+    assert ckpt_offload.checkpointing_state(model) == ([0, 2, 4], [0, 2])
+    assert [("forward" in m.__dict__) for m in model.blocks] == [True, False, True, False, True, False]
+    # every_n_layers counts within the list given.
+    assert ckpt_offload.enable_checkpointing(model, layers=[0, 1, 2, 3], every_n_layers=2) == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "layers,error,match",
+    [
+        (lambda m: [0, 6], ValueError, r"layers index 6 is out of range: the model has 6 repeated blocks .* 0\.\.5"),
+        (lambda m: [-1], ValueError, r"layers index -1 is out of range"),
+        (lambda m: [1, 1], ValueError, r"layers names an index more than once: \[1, 1\]"),
+        (lambda m: "blocks", TypeError, r"layers\[0\] is a str: layers must be all nn.Module blocks or all int indices"),
+        (lambda m: [m.blocks[0], 3], TypeError, r"layers\[1\] is a int: .*not a mix"),
+        (lambda m: [3, m.blocks[0]], TypeError, r"layers\[0\] is a int: .*not a mix"),
+        (lambda m: [True], TypeError, r"layers\[0\] is a bool"),
+        (lambda m: [], ValueError, r"layers is empty"),
+    ],
+)
+def test_layers_errors(layers, error, match):
+    model = make_model()
+    with pytest.raises(error, match="enable_checkpointing: " + match):
+        ckpt_offload.enable_checkpointing(model, layers=layers(model))
+    assert ckpt_offload.checkpointing_state(model) is None
+
+
+def test_layers_as_indices_need_repeated_blocks():
+    with pytest.raises(ValueError, match=r"find_repeated_blocks\(model\), which found no repeated blocks"):
+        ckpt_offload.enable_checkpointing(torch.nn.Linear(2, 2), layers=[0])
+    model = make_model()
+    block = model.blocks[2]
+    with pytest.raises(ValueError, match="layers names a block more than once"):
+        ckpt_offload.enable_checkpointing(model, layers=[block, block])
+
+
+# -- inputs that are not offloaded ------------------------------------------------------------------
+@pytest.mark.parametrize("container", ["list", "tuple", "dict"])
+def test_tensors_inside_a_positional_container_warn_once(monkeypatch, container):
+    monkeypatch.setattr(ck, "_container_warned", False)
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    wrap = {"list": lambda t: [t], "tuple": lambda t: (t,), "dict": lambda t: {"w": t}}[container]
+    unwrap = {"list": lambda c: c[0], "tuple": lambda c: c[0], "dict": lambda c: c["w"]}[container]
+
+    def fn(a, c):
+        return (a @ unwrap(c)).sin()
+
+    session = ckpt_offload.OffloadSession()
+    with pytest.warns(UserWarning, match=f"positional argument 1 is a {container} holding a tensor that requires grad; it is not offloaded"):
+        y = ckpt_offload.checkpoint(fn, x, wrap(w), session=session)
+    y.sum().backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 1 and s["bytes_offloaded"] == 64 * 64 * 4  # x only, not w
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    tuc.checkpoint(fn, ref_x, wrap(ref_w), use_reentrant=False).sum().backward()
+    assert torch.equal(x.grad, ref_x.grad) and torch.equal(w.grad, ref_w.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        ckpt_offload.checkpoint(fn, x, wrap(w), session=session).sum().backward()
+
+
+def test_containers_without_grad_tensors_and_kept_layers_do_not_warn(monkeypatch):
+    monkeypatch.setattr(ck, "_container_warned", False)
+    x = torch.randn(8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt_offload.checkpoint(lambda a, c: a * c[0], x, [torch.ones(8)], session=ckpt_offload.OffloadSession())
+        ckpt_offload.checkpoint(lambda a, size: a.view(size), x, torch.Size([2, 4]))
+        ckpt_offload.checkpoint(lambda a, c: a * c[0], x, [x], offload=False)
+    assert ck._container_warned is False
+
+
+def test_an_offloaded_input_comes_back_equal_not_identical():
+    seen = []
+
+    def fn(a):
+        seen.append(a)
+        return a.sin()
+
+    x = torch.randn(16, 16, requires_grad=True)
+    h = x * 2
+    ckpt_offload.checkpoint(fn, h, session=ckpt_offload.OffloadSession()).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1
+    forward_input, recompute_input = seen
+    assert forward_input is h and recompute_input is not h  # the copy that came back from the host
+    assert torch.equal(recompute_input, h) and recompute_input.data_ptr() != h.data_ptr()
+
+
+# -- autograd's in-place error, word for word ------------------------------------------------------
+def _error_of(run):
+    with pytest.raises(RuntimeError) as err:
+        run()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("case", ["offloaded", "kept", "view", "without_grad", "anomaly"])
+def test_inplace_error_is_torchs_own(case):
+    x = torch.randn(8, 8, requires_grad=True)
+    source = torch.randn(4, 8, 8)
+
+    def mistake(checkpoint):
+        def run():
+            a = x * 2 if case != "without_grad" else source[1] + 0
+            arg = a[2:6] if case == "view" else a
+            y = checkpoint(lambda t: t.sin() * (x if case == "without_grad" else 1), arg)
+            a.add_(1)
+            y.sum().backward()
+
+        if case == "anomaly":
+            with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+                warnings.simplefilter("ignore")  # anomaly mode prints the forward trace as a warning
+                return _error_of(run)
+        return _error_of(run)
+
+    torchs = mistake(lambda fn, t: tuc.checkpoint(fn, t, use_reentrant=False))
+    keep = 1 if case == "kept" else 0
+    ours = mistake(lambda fn, t: ckpt_offload.checkpoint(fn, t, session=ckpt_offload.OffloadSession(keep_last=keep)))
+    assert ckpt_offload.stats()["tensors_offloaded"] == (0 if case == "kept" else 1)
+    assert ours == torchs
+    assert "offloaded tensor" not in ours and "[torch.FloatTensor [" in ours
+    assert ("Good luck!" if case == "anomaly" else "set_detect_anomaly(True") in ours
+
+
+def test_inplace_error_of_an_offloaded_tensor_that_is_gone_keeps_type_and_shape():
+    x = torch.randn(8, 8, requires_grad=True)
+    a = x.double() * 2
+    y = ckpt_offload.checkpoint(torch.sin, a, session=ckpt_offload.OffloadSession())
+    a.add_(1)
+    del a  # the tensor is gone; its version counter and its copy remain
+    message = _error_of(lambda: y.sum().backward())
+    assert message == (
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        "[torch.DoubleTensor [8, 8]] is at version 1; expected version 0 instead. Hint: enable anomaly "
+        "detection to find the operation that failed to compute its gradient, with "
+        "torch.autograd.set_detect_anomaly(True, check_nan=False)."
+    )
+
+
+# -- the README documents every statistic ----------------------------------------------------------
+def _readme_stats_keys():
+    with open(README) as f:
+        text = f.read()
+    start = text.index("Reading `ckpt_offload.stats()`")
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break  # the end of the table
+    keys = set()
+    for row in rows[2:]:  # after the header and its rule
+        first = row.split("|")[1]
+        keys.update(re.findall(r"`([a-z0-9_]+)`", first))
+    return keys
+
+
+def test_readme_stats_table_names_every_key_of_stats():
+    documented = _readme_stats_keys()
+    actual = set(ckpt_offload.stats())
+    assert actual - documented == set(), "stats() keys missing from the README table"
+    assert documented - actual == set(), "README table keys that stats() does not return"
