@@ -263,14 +263,32 @@ def test_install_routes_transformers_own_offload_under_every_name(arch):
     assert ckpt_offload.stats()["tensors_offloaded"] == 0 and hf.state(again) is None  # save_on_cpu again
 
 
-def test_install_replaces_one_method_and_uninstall_restores_it():
+def test_install_replaces_enable_and_disable_and_uninstall_restores_them():
     owner = transformers.PreTrainedModel
     before = dict(owner.__dict__)
     hf.install()
-    changed = [k for k in owner.__dict__ if owner.__dict__[k] is not before.get(k)]
-    assert len(changed) == 1 and changed[0] in ("_activation_checkpointing_enable", "gradient_checkpointing_enable")
+    changed = sorted(k for k in owner.__dict__ if owner.__dict__[k] is not before.get(k))
+    assert changed in (
+        ["_activation_checkpointing_disable", "_activation_checkpointing_enable"],
+        ["gradient_checkpointing_disable", "gradient_checkpointing_enable"],
+    )
     hf.uninstall()
-    assert all(owner.__dict__[k] is before[k] for k in before)
+    assert dict(owner.__dict__) == before and all(owner.__dict__[k] is before[k] for k in before)
+
+
+def test_transformers_own_disable_drops_the_engine_under_install():
+    hf.install()
+    model = tiny("llama")
+    name = _enable_names(model)[0]
+    _own_enable(model, name, every_n_layers=2, offload=True)
+    assert ckpt_offload.checkpointing_state(model) == ([0, 2, 4], [0, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(model, name.replace("enable", "disable"))()
+    assert marked(model) == [] and ckpt_offload.checkpointing_state(model) is None
+    assert model._forward_hooks == {} and model._forward_pre_hooks == {}  # the session's hooks are gone
+    step(model, batch())
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
 
 
 def test_install_checks_the_arguments_transformers_passes():

@@ -200,18 +200,19 @@ class OffloadCallback(TrainerCallback):
 # Both names (activation_checkpointing_enable and the deprecated gradient_checkpointing_enable), the
 # Trainer and subclasses that override either all end in one PreTrainedModel method: the private
 # _activation_checkpointing_enable since the rename, gradient_checkpointing_enable itself before.
-# That method is the one replaced, so every way in is covered by one patch.
-_installed = None  # (method name, transformers' function, our replacement) while installed
+# That method is the one replaced, so every way in is covered by one patch; its disable twin too,
+# so that transformers' own disable also removes the engine's hooks.
+_installed = []  # [(method name, transformers' function, our replacement)] while installed
 
 
-def _patch_point():
+def _patch_point(kind):
     owner = transformers.PreTrainedModel
-    for name in ("_activation_checkpointing_enable", "gradient_checkpointing_enable"):
+    for name in (f"_activation_checkpointing_{kind}", f"gradient_checkpointing_{kind}"):
         if name in owner.__dict__:
             return name
     raise RuntimeError(  # pragma: no cover - a transformers release this module does not know
-        f"hf.install: transformers {transformers.__version__} has neither PreTrainedModel._activation_checkpointing_enable "
-        "nor gradient_checkpointing_enable; this release is not supported"
+        f"hf.install: transformers {transformers.__version__} has neither PreTrainedModel._activation_checkpointing_{kind} "
+        f"nor gradient_checkpointing_{kind}; this release is not supported"
     )
 
 
@@ -222,16 +223,14 @@ def install() -> None:
     in older releases and as the deprecated alias), and a Trainer whose TrainingArguments carry
     {"offload": True} in their checkpointing kwargs, keep transformers' layer selection and offload
     as enable(model, every_n_layers=..., offload=True) does, with keep_last=1 and prefetch=1.
-    offload=False is transformers' own path, unchanged. Calling it again does nothing;
-    uninstall() restores transformers' own save_on_cpu offload.
+    offload=False is transformers' own path, unchanged; so is its disable, which also drops the
+    engine's hooks. Calling it again does nothing; uninstall() restores transformers' own code.
     """
-    global _installed
-    if _installed is not None:
+    if _installed:
         return
-    name = _patch_point()
+    name = _patch_point("enable")
     original = transformers.PreTrainedModel.__dict__[name]
     signature = inspect.signature(original)
-
     kwargs_name = list(signature.parameters)[1]  # activation_ or gradient_checkpointing_kwargs
 
     @functools.wraps(original)
@@ -252,26 +251,33 @@ def install() -> None:
         enable(self, every_n_layers=every_n_layers, offload=True,
                keep_last=min(1, OffloadCallback._count(self, every_n_layers)), **checkpoint_kwargs)
 
-    setattr(transformers.PreTrainedModel, name, routed)
-    _installed = (name, original, routed)
+    off_name = _patch_point("disable")
+    off_original = transformers.PreTrainedModel.__dict__[off_name]
+
+    @functools.wraps(off_original)
+    def routed_off(self, *args, **kwargs):
+        _forget(self)
+        return off_original(self, *args, **kwargs)
+
+    for n, f in ((name, routed), (off_name, routed_off)):
+        _installed.append((n, transformers.PreTrainedModel.__dict__[n], f))
+        setattr(transformers.PreTrainedModel, n, f)
 
 
 def uninstall() -> None:
     """Undoes install(): transformers' own offload=True (save_on_cpu) again. Models configured
     while it was installed keep their engine offload until reconfigured. No-op if not installed."""
-    global _installed
-    if _installed is None:
-        return
-    name, original, routed = _installed
-    if transformers.PreTrainedModel.__dict__.get(name) is not routed:
-        raise RuntimeError(
-            f"hf.uninstall: transformers.PreTrainedModel.{name} was replaced again after hf.install(); "
-            "undo that replacement first, so that restoring transformers' own does not drop it"
-        )
-    setattr(transformers.PreTrainedModel, name, original)
-    _installed = None
+    for name, _, routed in _installed:
+        if transformers.PreTrainedModel.__dict__.get(name) is not routed:
+            raise RuntimeError(
+                f"hf.uninstall: transformers.PreTrainedModel.{name} was replaced again after hf.install(); "
+                "undo that replacement first, so that restoring transformers' own does not drop it"
+            )
+    while _installed:
+        name, original, _ = _installed.pop()
+        setattr(transformers.PreTrainedModel, name, original)
 
 
 def installed() -> bool:
     """Whether install() is in effect."""
-    return _installed is not None
+    return bool(_installed)
