@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 
@@ -287,6 +288,10 @@ def measure(model, ids, mode, ctx, a, cuda):
     """Warm-up, timed steps, a check step, an inspection step and a profiled step of the model as
     configured now. The check step runs on other tokens than the timed ones, after them: a reload that
     returned stale pool memory would then show in the gradients."""
+    settle(cuda)
+    # Every row starts from an empty host pool: its reserved bytes are then this mode's own, not
+    # what the previous row (another mode or length) left reserved.
+    ckpt_offload.host_pool().empty_cache()
     for _ in range(a.warmup):
         train_step(model, ids, ctx)  # the first warm-up step fills the pool
     settle(cuda)
@@ -506,7 +511,9 @@ def add_ratios(rows, base_mode="full"):
             if r["seq"] != seq or "step_ms_median" not in r or base is None:
                 continue
             r[f"time_vs_{base_mode}"] = r["step_ms_median"] / base["step_ms_median"]
-            pb, pr = base.get("peak_device_bytes"), r.get("peak_device_bytes")
+            # The device peak on a GPU; on the CPU, the peak of live tensors (what the table shows there).
+            key = "peak_device_bytes" if base.get("peak_device_bytes") is not None else "live_peak_bytes"
+            pb, pr = base.get(key), r.get(key)
             r[f"peak_vs_{base_mode}"] = pr / pb if pb and pr else None
 
 
@@ -618,29 +625,51 @@ def print_targets(targets):
         print("TARGETS MISSED: " + "; ".join(f"{t['target']} @ {t['seq'] or 'all'}" for t in missed))
 
 
-def print_results(rows, saves, cuda, base, title):
-    print(f"\n{title}; {OPTIMIZER_NOTE}; " + ("GPU timings (CUDA events)" if cuda else CPU_LABEL))
+def print_results(rows, saves, cuda, base, title, wide=False):
+    print("\n" + textwrap.fill(f"{title}; {OPTIMIZER_NOTE}; " + ("GPU timings (CUDA events)" if cuda else CPU_LABEL),
+                               width=120, subsequent_indent="  "))
     fb = lambda key: lambda r: fmt_bytes(r[key])  # noqa: E731
-    cols = [("mode", lambda r: r["mode"]), ("seq", lambda r: r["seq"]),
-            ("ms med", lambda r: f"{r['step_ms_median']:.2f}"),
-            ("ms min-max", lambda r: f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}"),
-            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}"))),
-            ("peak dev" if cuda else "peak live*", fb("peak_device_bytes" if cuda else "live_peak_bytes")),
-            (f"peak/{base}", lambda r: fmt_ratio(r.get(f"peak_vs_{base}"))), ("act dev", fb("act_device_bytes")),
-            ("act host", fb("act_host_bytes")), ("D2H/step", fb("bytes_offloaded_per_step")),
-            ("H2D/step", fb("bytes_prefetched_per_step")),
-            ("host rsv/peak", lambda r: f"{fmt_bytes(r['host_reserved_bytes'])}/{fmt_bytes(r['host_peak_bytes'])}"),
-            ("host allocs", lambda r: r["host_alloc_calls_timed"]),
-            ("wait ms*", lambda r: "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}"),
+    # (header, cell, in the default table): the default keeps to about 120 characters; --wide and
+    # the JSON have the rest.
+    cols = [("mode", lambda r: r["mode"], True), ("seq", lambda r: r["seq"], True),
+            ("ms med", lambda r: f"{r['step_ms_median']:.2f}", True),
+            ("ms min-max", lambda r: f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}", False),
+            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}")), True),
+            ("peak dev" if cuda else "peak live*", fb("peak_device_bytes" if cuda else "live_peak_bytes"), True),
+            (f"peak/{base}", lambda r: fmt_ratio(r.get(f"peak_vs_{base}")), True),
+            ("act dev", fb("act_device_bytes"), True),
+            ("act host", fb("act_host_bytes"), False), ("D2H/step", fb("bytes_offloaded_per_step"), True),
+            ("H2D/step", fb("bytes_prefetched_per_step"), False),
+            ("host rsv/peak", lambda r: f"{fmt_bytes(r['host_reserved_bytes'])}/{fmt_bytes(r['host_peak_bytes'])}",
+             False),
+            ("allocs", lambda r: r["host_alloc_calls_timed"], True),
+            ("wait ms*", lambda r: "n/a" if r["reload_wait_ms_profiled"] is None else f"{r['reload_wait_ms_profiled']:.2f}",
+             cuda),
             ("D2H/H2D GB/s*", lambda r: "n/a" if r["d2h_gb_per_s"] is None else
-             f"{r['d2h_gb_per_s']:.1f}/{r['h2d_gb_per_s'] or 0:.1f}")]
-    print_table([c[0] for c in cols], [[f(r) for _, f in cols] for r in rows if "step_ms_median" in r])
-    print("* reload wait: compute-stream wait for reloads, in a separate profiled step (GPU only); D2H/H2D:\n"
-          "  throughput of the engine's copies on their copy streams in that step (CPU: synchronous copies)\n"
-          + ("" if cuda else "  peak live: most bytes of live tensors during a step above weights, gradients and inputs "
-             "(tracked on the CPU)\n")
-          + "  act dev: device bytes held after forward; act host: pool bytes in use after forward\n"
-          "  host rsv/peak: pool bytes reserved / peak in use; host allocs: pool allocations in timed steps")
+             f"{r['d2h_gb_per_s']:.1f}/{r['h2d_gb_per_s'] or 0:.1f}", False)]
+    cols = [c for c in cols if wide or c[2]]
+    print_table([c[0] for c in cols], [[f(r) for _, f, _ in cols] for r in rows if "step_ms_median" in r])
+    shown = {c[0] for c in cols}
+    notes = [f"t/{base}, peak/{base}: step time and peak over {base}'s at the same length; the peak is "
+             + ("the device's (max_memory_allocated)" if cuda else "the peak of live tensors (no device memory on CPU)"),
+             "act dev: device bytes held after forward; D2H/step: bytes offloaded per step; allocs: host pool "
+             "allocations in the timed steps (0 in steady state)"]
+    if not cuda:
+        notes.append("peak live: most bytes of live tensors during a step above weights, gradients and inputs "
+                     "(tracked on the CPU)")
+    if "wait ms*" in shown:
+        notes.append("wait ms: compute-stream wait for reloads, in a separate profiled step (GPU only)")
+    if "D2H/H2D GB/s*" in shown:
+        notes.append("D2H/H2D GB/s: throughput of the engine's copies on their copy streams in that profiled step "
+                     "(CPU: synchronous copies)")
+    if "host rsv/peak" in shown:
+        notes.append("act host: pool bytes in use after forward; host rsv/peak: pool bytes reserved / peak in use "
+                     "(each row starts from an empty pool)")
+    if not wide:
+        notes.append("--wide adds: spread, act host, H2D/step, host rsv/peak" + ("" if cuda else ", wait ms")
+                     + ", copy GB/s; the JSON holds every figure")
+    for i, n in enumerate(notes):
+        print(textwrap.fill(n, width=120, initial_indent="* " if i == 0 else "  ", subsequent_indent="    "))
     for r in rows:
         if "step_ms_median" not in r:
             print(f"{r['mode']} seq={r['seq']}: {r.get('skipped') or r.get('error')}")
@@ -729,22 +758,59 @@ def progress_bar(total):
     return tqdm(total=total, file=sys.stderr, leave=False)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", choices=sorted(CONFIGS), help="small without a GPU, standard with one")
-    for name in ("layers", "hidden", "heads", "kv-heads", "mlp", "batch", "vocab", "warmup", "steps"):
-        p.add_argument(f"--{name}", type=int)
-    p.add_argument("--seqs", "--seq-sweep", dest="seqs", help="comma-separated sequence lengths")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--no-rope", dest="rope", action="store_false")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--keep-last", type=int, default=1)
-    p.add_argument("--prefetch", type=int, default=1)
+MODE_HELP = {
+    "none": "no checkpointing",
+    "full": "every block checkpointed",
+    "every2": "blocks 0, 2, 4, ... checkpointed",
+    "every4": "blocks 0, 4, 8, ... checkpointed",
+    "sync_offload": "full checkpointing, inputs through torch's save_on_cpu (what transformers' offload=True does)",
+    "async_offload": "full checkpointing, inputs offloaded by ckpt_offload",
+    "every2_async": "every2, inputs offloaded by ckpt_offload",
+    "offload_activations": "no checkpointing, every saved activation offloaded (ckpt_offload.offload_activations)",
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="modes:\n" + "\n".join(f"  {m:<20} {MODE_HELP[m]}" for m in MODES))
+    small, std = CONFIGS["small"], CONFIGS["standard"]
+    p.add_argument("--config", choices=sorted(CONFIGS), help="small without a GPU, standard with one (the default "
+                   "picks by the GPU); the options below override single fields of it")
+    sizes = {"layers": "decoder blocks", "hidden": "hidden size", "heads": "attention heads",
+             "kv-heads": "key/value heads (grouped-query attention)", "mlp": "MLP width",
+             "batch": "sequences per step", "vocab": "vocabulary size (small: the blocks' activations dominate)",
+             "warmup": "untimed steps before the timed ones (the first fills the host pool)",
+             "steps": "timed steps per mode and length"}
+    for name, what in sizes.items():
+        key = name.replace("-", "_")
+        p.add_argument(f"--{name}", type=int, help=f"{what} (small: {small[key]}, standard: {std[key]})")
+    p.add_argument("--seqs", "--seq-sweep", dest="seqs",
+                   help=f"comma-separated sequence lengths (small: {small['seqs']}, standard: {std['seqs']})")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help=f"parameter and activation dtype (small: {small['dtype']}, standard: {std['dtype']})")
+    p.add_argument("--no-rope", dest="rope", action="store_false", help="leave out rotary position embeddings")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated modes to run, in this order; valid: " + ", ".join(MODES) +
+                   " (default: all; see 'modes' below)")
+    p.add_argument("--keep-last", type=int, default=1,
+                   help="checkpointed layers whose inputs stay on the device in the async modes (default 1)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="offloaded layers on their way back ahead of need in the async modes (default 1)")
     p.add_argument("--min-bytes", type=int, help="offload_activations threshold (1 MiB on GPU, 0 on CPU)")
-    p.add_argument("--hf", action="store_true", help="compare transformers' checkpointing/offload instead")
+    p.add_argument("--hf", action="store_true",
+                   help="compare transformers' checkpointing/offload instead (modes " + ", ".join(HF_MODES) + ")")
     p.add_argument("--hf-every", type=int, default=1, help="every_n_layers for the --hf comparison")
     p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    p.add_argument("--wide", action="store_true",
+                   help="print every column (spread, H2D bytes, host pool, reload wait, copy throughput); the "
+                   "default table keeps to about 120 characters; the JSON always holds every figure")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                   help="directory for the JSON and the plots (default: benchmarks/out)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     a.cuda = torch.cuda.is_available() and ckpt_offload.build_info()["cuda_usable"]
     if a.config == "standard" and not a.cuda:
@@ -851,7 +917,7 @@ def main(argv=None):
     write()
     title = (f"transformers LlamaForCausalLM (random weights), every_n_layers={a.hf_every}" if a.hf
              else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
-    print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title)
+    print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title, wide=a.wide)
     if "targets" in result:
         print_targets(result["targets"])
     print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")

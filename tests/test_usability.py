@@ -1,8 +1,12 @@
 """What a new user meets first: arguments checked where they are given (bools as bools, reentrant
 refused by name, layer indices), inputs that are not offloaded said out loud, autograd's own
-in-place error word for word, and a README that documents every statistic."""
+in-place error word for word, a README that documents every statistic, and benchmark output and
+setup that a reader can use (help text, a table that fits, pip only when requirements change)."""
+import json
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -239,3 +243,106 @@ def test_readme_stats_table_names_every_key_of_stats():
     actual = set(ckpt_offload.stats())
     assert actual - documented == set(), "stats() keys missing from the README table"
     assert documented - actual == set(), "README table keys that stats() does not return"
+
+
+# -- benchmark output and setup ---------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench_step():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_step
+    finally:
+        sys.path.pop(0)
+    return bench_step
+
+
+def test_bench_step_help_describes_every_option_and_lists_the_modes():
+    bench_step = _bench_step()
+    parser = bench_step.build_parser()
+    missing = [a.option_strings for a in parser._actions if not (a.help or "").strip()]
+    assert missing == []
+    modes_help = next(a.help for a in parser._actions if "--modes" in a.option_strings)
+    assert all(m in modes_help for m in bench_step.MODES)
+    text = parser.format_help()
+    assert all(f"  {m} " in text for m in bench_step.MODES)  # the epilog: one line per mode
+
+
+def _row(mode, seq, **kw):
+    r = dict(mode=mode, seq=seq, step_ms_median=1234.56, step_ms_min=1200.01, step_ms_max=1300.99,
+             time_vs_full=1.0123, peak_device_bytes=70 * 2**30, live_peak_bytes=70 * 2**30, peak_vs_full=0.9876,
+             act_device_bytes=12 * 2**30, act_host_bytes=14 * 2**30, bytes_offloaded_per_step=14 * 2**30,
+             bytes_prefetched_per_step=14 * 2**30, host_reserved_bytes=15 * 2**30, host_peak_bytes=14 * 2**30,
+             host_alloc_calls_timed=0, reload_wait_ms_profiled=12.34, d2h_gb_per_s=50.1, h2d_gb_per_s=51.2)
+    r.update(kw)
+    return r
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_bench_step_default_table_keeps_to_120_characters(capsys, cuda):
+    bench_step = _bench_step()
+    rows = [_row(m, 16384) for m in bench_step.MODES]
+    bench_step.print_results(rows, [], cuda, "full", "decoder stack, 32 layers, hidden 4096, bfloat16")
+    narrow = capsys.readouterr().out
+    assert max(len(line) for line in narrow.splitlines()) <= 120, narrow
+    assert "offload_activations  16384" in narrow and "0.988x" in narrow  # peak/full is shown
+    header = next(line for line in narrow.splitlines() if line.strip().startswith("mode"))
+    assert "host rsv/peak" not in header and "ms min-max" not in header and "--wide adds" in narrow
+    assert ("wait ms*" in header) == cuda  # the reload wait is measured on a GPU only
+    bench_step.print_results(rows, [], cuda, "full", "decoder stack", wide=True)
+    wide = capsys.readouterr().out
+    header = next(line for line in wide.splitlines() if line.strip().startswith("mode"))
+    assert "host rsv/peak" in header and "1200.01-1300.99" in wide and "50.1/51.2" in wide
+
+
+def test_bench_step_rows_start_from_an_empty_pool_and_cpu_rows_have_a_peak_ratio(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)
+    cmd = [sys.executable, "benchmarks/bench_step.py", "--config", "small", "--layers", "2", "--seqs", "16,32",
+           "--modes", "async_offload,none,full", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.load(open(tmp_path / "bench_step.json"))["rows"]
+    by = {(r["mode"], r["seq"]): r for r in rows}
+    for seq in (16, 32):
+        # async_offload ran first and reserved host memory; the modes after it reserved none.
+        assert by["async_offload", seq]["host_reserved_bytes"] > 0
+        assert by["none", seq]["host_reserved_bytes"] == by["full", seq]["host_reserved_bytes"] == 0
+        assert by["full", seq]["peak_vs_full"] == 1.0
+        assert by["async_offload", seq]["peak_vs_full"] < 1.0 < by["none", seq]["peak_vs_full"]
+    lines = p.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("mode"))
+    table = lines[start:start + 2 + len(rows)]
+    assert table[-1].strip().startswith("full") and "n/a" not in "\n".join(table)
+    assert max(len(line) for line in table) <= 120, table
+
+
+def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
+    """scripts/setup.sh against a stand-in venv whose python logs pip calls (and runs the real
+    interpreter for everything else): the second run skips pip; a changed stamp brings it back."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    (venv / "bin" / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$*" >> {log}; exit 0; fi\n'
+        f'PYTHONPATH={ROOT} exec {sys.executable} "$@"\n'
+    )
+    (venv / "bin" / "python").chmod(0o755)
+    env = dict(os.environ, VENV=str(venv))
+
+    def run():
+        p = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        calls = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return p.stdout, [c for c in calls if "requirements.txt" in c]
+
+    out, calls = run()
+    assert calls == ["-m pip install -q -r requirements.txt"] and "installing requirements" in out
+    out, calls = run()
+    assert calls == [] and "pip skipped" in out
+    (venv / ".ckpt_offload_requirements.sha256").write_text("an older requirements.txt\n")
+    out, calls = run()
+    assert calls == ["-m pip install -q -r requirements.txt"]
