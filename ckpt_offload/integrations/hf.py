@@ -151,7 +151,8 @@ class OffloadCallback(TrainerCallback):
     {"every_n_layers": 4, "offload": True}) (gradient_checkpointing / gradient_checkpointing_kwargs
     in transformers releases before the rename); at the start of training the model's checkpointing
     is re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are
-    this callback's own.
+    this callback's own. Arguments from checkpointing_args(offload=True) offload through the engine
+    without it too (that call installs the routing, see install()); the callback adds its settings.
     """
 
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
