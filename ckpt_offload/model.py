@@ -9,6 +9,7 @@ from torch import nn
 
 from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
 from ._args import check_int as _check_int
+from . import policies
 from .session import OffloadSession
 
 _STATE_ATTR = "_ckpt_offload_state"
@@ -70,8 +71,9 @@ def _set(saved, module, name, value):
     setattr(module, name, value)
 
 
-def _wrap(module: nn.Module, session, keep):
+def _wrap(module: nn.Module, session, keep, context=None):
     original = module.forward
+    ckpt_kwargs = {} if context is None else {"context_fn": context}
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -80,7 +82,7 @@ def _wrap(module: nn.Module, session, keep):
         warn_kwarg_tensors(kwargs)
         # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
         fn = functools.partial(original, **kwargs) if kwargs else original
-        return run_checkpoint(session, fn, args, {}, keep)
+        return run_checkpoint(session, fn, args, ckpt_kwargs, keep)
 
     return forward
 
@@ -93,6 +95,7 @@ def enable_checkpointing(
     prefetch: int = 1,
     prefetch_bytes: int | None = None,
     layers=None,
+    policy=None,
 ) -> list[int]:
     """Checkpoints the first repeated block and every n-th after it (0-based index % n == 0).
 
@@ -100,6 +103,10 @@ def enable_checkpointing(
     and backward, except the last keep_last, which backward needs first. prefetch: how many
     offloaded layers are on their way back ahead of need (prefetch_bytes caps it by bytes).
     layers: an explicit list of blocks instead of the search. Calling again reconfigures.
+    policy: selective checkpointing inside the checkpointed blocks, a torch SAC policy function or
+    a name ("attention": attention outputs offloaded, the rest recomputed), or a dict of them by
+    block index; outputs it marks *_CPU_OFFLOAD go to the host with the block's input (on the
+    device in the keep_last blocks and without offload). See ckpt_offload.policies.
     Returns the 0-based indices of the checkpointed blocks.
     """
     if not isinstance(model, nn.Module):
@@ -142,6 +149,7 @@ def enable_checkpointing(
             f"layers; use 0..{len(checkpointed)}"
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    contexts = policies.per_block("enable_checkpointing", policy, checkpointed)
 
     disable_checkpointing(model)
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloaded else None
@@ -154,10 +162,12 @@ def enable_checkpointing(
                 _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
         for i in checkpointed:
             _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, i not in offloaded))
+            ckpt_kwargs = {} if contexts[i] is None else {"context_fn": contexts[i]}
+            _set(saved, blocks[i], "_gradient_checkpointing_func",
+                 checkpoint_function(session, i not in offloaded, **ckpt_kwargs))
     else:
         for i in checkpointed:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i]))
     hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
     return checkpointed
