@@ -252,9 +252,9 @@ class _Caching(TorchDispatchMode):
             policy = _Policy.MUST_SAVE if policy else _Policy.PREFER_RECOMPUTE
         if policy in _RECOMPUTE:
             entry = None
-        elif policy in _OFFLOAD or (self.offload_saves and policy in _SAVE):
+        elif (policy in _OFFLOAD or (self.offload_saves and policy in _SAVE)) and not _aliases_input(func):
             entry = tree_map(self._send, out)
-        elif policy in _SAVE:
+        elif policy in _SAVE or policy in _OFFLOAD:
             entry = tree_map(_keep, out)
         else:
             raise TypeError(f"checkpoint: the selective-checkpoint policy returned {policy!r} for {func}; "
@@ -269,6 +269,14 @@ class _Caching(TorchDispatchMode):
         if self.session is None or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES:
             return _Kept(t)
         return self.session.pack(t)  # the layer's group: prefetched with the layer's input
+
+
+@functools.lru_cache(maxsize=None)
+def _aliases_input(func) -> bool:
+    """Views and in-place ops return (part of) an input: a copy of it would free nothing and would
+    not follow later writes to that input, so their marked outputs are saved on the device."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _keep(x):

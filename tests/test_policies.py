@@ -128,6 +128,28 @@ def test_save_stays_on_the_device_and_recompute_runs_again():
     assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def test_marked_views_are_saved_on_the_device():
+    # A view returns its input's memory: a copy would free nothing. (In-place ops alias too; like
+    # torch's MUST_SAVE, saving one is an error at backward, since autograd bumps its version after.)
+    def viewing(x, w):
+        return torch.sin(x @ w).t() @ w
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.t.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x, w = inputs("cpu")
+    out = ckpt_offload.checkpoint(viewing, x, w, context_fn=sac(policy), session=ckpt_offload.OffloadSession())
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * MARKED_BYTES  # the inputs only
+    out.sum().backward()
+    got = [x.grad, w.grad]
+    x, w = inputs("cpu")
+    tuc.checkpoint(viewing, x, w, use_reentrant=False, context_fn=sac(lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+                   ).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
 def live_after_forward(policy):
     x, w = inputs("cpu")
     with LiveBytes() as live:
