@@ -120,6 +120,13 @@ def resolve(where: str, policy):
                     f"them by block index, got {type(policy).__name__}")
 
 
+def prepare(where: str, policy):
+    """Checks and resolves `policy` (each value of a dict too) before a model is touched."""
+    if isinstance(policy, dict):
+        return {i: resolve(f"{where}: policy[{i!r}]", p) for i, p in policy.items()}
+    return resolve(where, policy)
+
+
 def per_block(where: str, policy, checkpointed) -> dict:
     """{checkpointed block index: SelectiveOffload or None} for `policy`: one name or function for
     every checkpointed block, or a dict from block index to a name, a function or None."""

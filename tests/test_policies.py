@@ -330,11 +330,14 @@ def test_attention_policy_on_a_tiny_llama():
 
     heads, layers, seq = 4, 4, 64
 
-    def run(enable, **kw):
+    def build():
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
                                        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=seq)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+
+    def run(enable, **kw):
+        model = build()
         enable(model, **kw)
         ids = torch.randint(0, 128, (B, seq), generator=torch.Generator().manual_seed(1))
         ckpt_offload.reset_stats()
@@ -353,6 +356,16 @@ def test_attention_policy_on_a_tiny_llama():
         assert fwd["bytes_offloaded"] - ref_fwd["bytes_offloaded"] == (layers - 1) * attn
         assert all(torch.equal(ref[n], got[n]) for n in ref), enable.__name__
         assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+    # Without offload the attention outputs are saved on the device: still no recompute.
+    _, fwd, sdpa = run(hf.enable, offload=False, policy="attention")
+    assert sdpa == 0 and fwd["bytes_offloaded"] == 0
+    # Wrong policies are refused before the model is touched.
+    model = build()
+    with pytest.raises(ValueError, match="hf.enable: policy must be one of"):
+        hf.enable(model, policy="flash")
+    with pytest.raises(ValueError, match="pass policy= or a context_fn, not both"):
+        hf.enable(model, policy="attention", context_fn=policies.SelectiveOffload(lambda *a, **k: False))
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def test_selective_offload_is_a_context_fn_for_torch_checkpoint_too():

@@ -82,13 +82,14 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     _check_int("hf.enable", "prefetch", prefetch, 0)
     if checkpoint_kwargs.pop("use_reentrant", False):
         raise ValueError("hf.enable: use_reentrant=True is not supported; ckpt_offload checkpoints non-reentrantly")
+    if policy is not None and "context_fn" in checkpoint_kwargs:
+        raise ValueError("hf.enable: pass policy= or a context_fn, not both (policy builds the context_fn)")
+    policy = policies.prepare("hf.enable", policy)
     checkpointing_enable(model, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
     _forget(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
     model.__dict__[_STATE_ATTR] = (checkpointed, [], [])
-    if policy is not None and "context_fn" in checkpoint_kwargs:
-        raise ValueError("hf.enable: pass policy= or a context_fn, not both (policy builds the context_fn)")
     contexts = policies.per_block("hf.enable", policy, checkpointed)
     if not offload:
         for i in checkpointed:
