@@ -867,6 +867,9 @@ def run_main(a, device, cuda, bar, t0, result, write):
             bar.set_description(f"{mode} seq={seq}")
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
                 rows.append(dict(mode=mode, seq=seq, skipped=f"time budget of {a.budget_s:g} s spent"))
+            elif mode == "attn_offload" and not ckpt_offload.policies.HAS_OFFLOAD_POLICY:
+                rows.append(dict(mode=mode, seq=seq, skipped=f"torch {torch.__version__} has no "
+                                                             "CheckpointPolicy.MUST_CPU_OFFLOAD (selective offload)"))
             else:
                 row, ref = run_guarded(lambda: measure_mode(model, ids, mode, a, cuda), mode, seq)
                 rows.append(row)
