@@ -33,6 +33,8 @@ if HAS_SELECTIVE:
     _SAVE = frozenset({_Policy.MUST_SAVE, _Policy.PREFER_SAVE})
     _RECOMPUTE = frozenset({_Policy.MUST_RECOMPUTE, _Policy.PREFER_RECOMPUTE})
     _OFFLOAD = frozenset({_Policy.MUST_CPU_OFFLOAD, _Policy.PREFER_CPU_OFFLOAD}) if HAS_OFFLOAD_POLICY else frozenset()
+else:  # no selective checkpointing in this torch: nothing below is reached (require() raises first)
+    _SAVE = _RECOMPUTE = _OFFLOAD = frozenset()
 # Ops run a different number of times in forward and recompute (checkpoint's own detaches): never cached.
 _IGNORED = frozenset(getattr(_tuc, "SAC_IGNORED_OPS", ())) | {torch.ops.aten.detach.default}
 _storage_key = getattr(_tuc, "_sac_storage_key", None)
