@@ -1,15 +1,12 @@
-"""Selective offload inside checkpoints (ckpt_offload.policies): outputs a torch SAC policy marks
-MUST_/PREFER_CPU_OFFLOAD are saved through the engine and not recomputed (counted with a
-TorchDispatchMode), *_SAVE stay on the device, *_RECOMPUTE run again; gradients bitwise those of
-torch SAC with MUST_SAVE; bytes moved and bytes freed are exactly the marked outputs; no
-FutureWarning from torch 2.14; the named "attention" policy on a plain SDPA block and a tiny Llama."""
+"""ckpt_offload.policies: what a torch SAC policy marks *_CPU_OFFLOAD goes through the engine and is not
+recomputed (a TorchDispatchMode counts), with gradients bitwise torch SAC's with MUST_SAVE and exactly
+the marked bytes moved and freed; no FutureWarning; the "attention" policy on SDPA blocks and a Llama."""
 import functools
 import gc
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
