@@ -35,9 +35,12 @@ CONFIGS = {
     "standard": dict(layers=8, hidden=4096, heads=32, kv_heads=8, mlp=14336, seqs="4096,8192", batch=1,
                      dtype="bfloat16", vocab=1024, warmup=2, steps=5),
 }
-MODES = ["none", "full", "every2", "every4", "sync_offload", "async_offload", "every2_async", "offload_activations"]
-# Modes whose gradients must equal another mode's bit for bit (same kernels, values only moved).
-BITWISE = {"sync_offload": "full", "async_offload": "full", "every2_async": "every2", "offload_activations": "none"}
+MODES = ["none", "full", "every2", "every4", "sync_offload", "async_offload", "every2_async", "offload_activations",
+         "attn_offload"]
+# Modes whose gradients must equal another mode's bit for bit (same kernels, values only moved;
+# attn_offload: the attention outputs of the forward instead of recomputed ones, the same bits).
+BITWISE = {"sync_offload": "full", "async_offload": "full", "every2_async": "every2", "offload_activations": "none",
+           "attn_offload": "full"}
 HF_MODES = ["hf_none", "hf_gc", "hf_gc_sync_offload", "hf_gc_async_offload"]
 HF_BITWISE = {"hf_gc_sync_offload": "hf_gc", "hf_gc_async_offload": "hf_gc"}
 CPU_LABEL = "CPU timings (no GPU): not representative"
@@ -151,10 +154,13 @@ def apply_mode(model, mode, a):
     """Puts the model in `mode`; returns a factory of the context each forward runs in."""
     ckpt_offload.disable_checkpointing(model)
     model.layer_call = None
-    every = {"full": 1, "every2": 2, "every4": 4, "async_offload": 1, "every2_async": 2}.get(mode)
+    every = {"full": 1, "every2": 2, "every4": 4, "async_offload": 1, "every2_async": 2, "attn_offload": 1}.get(mode)
     if every is not None:
-        ckpt_offload.enable_checkpointing(model, every_n_layers=every, offload="async" in mode,
-                                          keep_last=a.keep_last, prefetch=a.prefetch, layers=list(model.layers))
+        # attn_offload: every block checkpointed with its input and its attention outputs offloaded.
+        attn = mode == "attn_offload"
+        ckpt_offload.enable_checkpointing(model, every_n_layers=every, offload="async" in mode or attn,
+                                          keep_last=a.keep_last, prefetch=a.prefetch, layers=list(model.layers),
+                                          policy="attention" if attn else None)
     elif mode == "sync_offload":
         model.layer_call = sync_offload_call
     elif mode == "offload_activations":
@@ -297,6 +303,7 @@ def measure(model, ids, mode, ctx, a, cuda):
     settle(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else None  # weights, gradients, inputs: under the peak
     ckpt_offload.reset_stats()
     times = [timed_step(model, ids, ctx, cuda) for _ in range(a.steps)]
     settle(cuda)
@@ -310,6 +317,7 @@ def measure(model, ids, mode, ctx, a, cuda):
     return dict(
         mode=mode, seq=ids.shape[1], loss=float(ref[0]), step_ms_median=statistics.median(times), step_ms_min=min(times),
         step_ms_max=max(times), step_ms_iqr=[q[0], q[2]], step_ms_all=times, peak_device_bytes=peak,
+        base_device_bytes=base,
         act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
         host_peak_bytes=s["host_peak_bytes"], host_alloc_calls_timed=s["host_alloc_calls"],
         bytes_offloaded_per_step=s["bytes_offloaded"] / a.steps,
@@ -520,7 +528,7 @@ def add_ratios(rows, base_mode="full"):
 def savings(rows, a):
     """Theoretical (offloaded layers x b x s x h x bytes) beside measured peak differences."""
     out = []
-    pairs = [("async_offload", "full"), ("every2_async", "every2"), ("sync_offload", "full")]
+    pairs = [("async_offload", "full"), ("every2_async", "every2"), ("sync_offload", "full"), ("attn_offload", "full")]
     for seq in a.seq_list:
         by = {r["mode"]: r for r in rows if r["seq"] == seq and "step_ms_median" in r}
         for mode, base in pairs:
@@ -533,7 +541,19 @@ def savings(rows, a):
                 out.append(dict(seq=seq, mode=mode, vs=base, theoretical_bytes=theory, measured_bytes=measured,
                                 fraction=measured / theory if measured is not None and theory else None,
                                 after_forward_bytes=ab - am if ab is not None and am is not None else None))
+                if mode == "attn_offload":
+                    out[-1].update(attention_figures(a, seq, by[mode]["offloaded_layers"]))
     return out
+
+
+def attention_figures(a, seq, offloaded_layers):
+    """What attn_offload moves and spares per step: the attention outputs (b x s x h, plus the fp32
+    logsumexp b x heads x s) of the offloaded layers go to the host, device bytes a policy saving them
+    on the device would hold; and the attention forward every checkpointed layer does not recompute,
+    2·b·s²·h FLOPs for QKᵀ and PV each, halved by the causal mask."""
+    per_layer = a.batch * seq * a.hidden * a.elem + a.batch * a.heads * seq * 4
+    return dict(attn_host_bytes=offloaded_layers * per_layer,
+                recompute_avoided_flop=a.layers * 2 * a.batch * seq * seq * a.hidden)
 
 
 # The targets of the standard run on a GPU (benchmarks/README.md says where they come from).
@@ -541,6 +561,9 @@ TARGET_TIME_VS_FULL = 1.03        # async offload step time / full checkpointing
 TARGET_OVERHEAD_VS_SYNC = 1 / 3   # async overhead over full / synchronous offload's overhead over full
 TARGET_SAVING_FRACTION = 0.95     # measured peak saving / theoretical saving
 TARGET_LINK_FRACTION = 0.85       # copy throughput in the step / pinned peak measured in this run
+TARGET_ATTN_TIME_VS_FULL = 0.96   # attn_offload step time / full checkpointing, judged from ATTN_TARGET_SEQ
+TARGET_ATTN_ACT_VS_ASYNC = 1.05   # attn_offload activation bytes at the step peak / async_offload's
+ATTN_TARGET_SEQ = 8192            # shorter sequences: too little attention to win back the extra copy
 
 
 def evaluate_targets(rows, saves, link, cuda):
@@ -595,6 +618,7 @@ def evaluate_targets(rows, saves, link, cuda):
                 None if why or frac is None else frac >= TARGET_LINK_FRACTION,
                 why or (f"{fmt_rate(got)} in the step, pinned peak {fmt_rate(ref)} at "
                         f"{fmt_bytes(peak['block_bytes'])} blocks" if frac is not None else "not measured"))
+    attn_targets(rows, cuda, add)
     allocs = [r for r in rows if "step_ms_median" in r and r.get("host_alloc_calls_timed")]
     timed = [r for r in rows if "step_ms_median" in r]
     add("host allocations after the first step", None, sum(r["host_alloc_calls_timed"] for r in allocs), 0,
@@ -602,6 +626,44 @@ def evaluate_targets(rows, saves, link, cuda):
         ", ".join(f"{r['mode']}@{r['seq']}: {r['host_alloc_calls_timed']}" for r in allocs) or
         ("" if timed else "no mode ran"))
     return out
+
+
+def attn_targets(rows, cuda, add):
+    """The attn_offload targets, only where that mode ran: faster than full checkpointing, at the
+    device memory of async_offload."""
+    for seq in sorted({r["seq"] for r in rows if r["mode"] == "attn_offload"}):
+        by = {r["mode"]: r for r in rows if r["seq"] == seq and "step_ms_median" in r}
+        att, full, asy = by.get("attn_offload"), by.get("full"), by.get("async_offload")
+        why = "CPU run: targets are judged on a GPU" if not cuda else ""
+        if att and full:
+            t = att["step_ms_median"] / full["step_ms_median"]
+            short = "" if seq >= ATTN_TARGET_SEQ else f"judged at seq {ATTN_TARGET_SEQ} and longer"
+            add("attn_offload time / full", seq, t, TARGET_ATTN_TIME_VS_FULL,
+                None if why or short else t <= TARGET_ATTN_TIME_VS_FULL,
+                why or short or f"reload wait {fmt_ms(att.get('reload_wait_ms_profiled'))} in a profiled step")
+        else:
+            add("attn_offload time / full", seq, None, TARGET_ATTN_TIME_VS_FULL, None, "attn_offload or full did not run")
+        # Activation bytes at the step peak (above weights, gradients and inputs). After forward the
+        # keep_last layers' attention outputs add to attn_offload; at the peak, full checkpointing's
+        # recompute of that layer materialises them too.
+        acts = [x and activation_peak(x) for x in (att, asy)]
+        if all(acts):
+            v = acts[0] / acts[1]
+            add("attn_offload activation peak / async_offload", seq, v, TARGET_ATTN_ACT_VS_ASYNC,
+                None if why else v <= TARGET_ATTN_ACT_VS_ASYNC,
+                why or f"{fmt_bytes(acts[0])} against {fmt_bytes(acts[1])}; after forward "
+                       f"{fmt_bytes(att['act_device_bytes'])} against {fmt_bytes(asy['act_device_bytes'])}")
+        else:
+            add("attn_offload activation peak / async_offload", seq, None, TARGET_ATTN_ACT_VS_ASYNC, None,
+                "attn_offload or async_offload did not run")
+
+
+def activation_peak(r):
+    """Bytes of activations at the step peak: max_memory_allocated above what the step started with
+    on a GPU, the tracked live peak on the CPU; None when not measured."""
+    if r.get("base_device_bytes") is not None and r.get("peak_device_bytes") is not None:
+        return r["peak_device_bytes"] - r["base_device_bytes"]
+    return r.get("live_peak_bytes")
 
 
 def fmt_ms(x):
@@ -679,6 +741,10 @@ def print_results(rows, saves, cuda, base, title, wide=False):
               + (f" ({100 * s['fraction']:.1f}%)" if s["fraction"] is not None else " (no device memory on CPU)")
               + (f", after forward {fmt_bytes(s['after_forward_bytes'])}" if s["after_forward_bytes"] is not None else "")
               + (" (CPU tensors: save_on_cpu has nothing to move)" if not cuda and s["mode"] == "sync_offload" else ""))
+        if "recompute_avoided_flop" in s:
+            print(f"  attn_offload @ seq {s['seq']}: attention outputs moved to the host {fmt_bytes(s['attn_host_bytes'])}"
+                  f" (device bytes a save-on-device policy would hold); attention recompute avoided "
+                  f"{s['recompute_avoided_flop'] / 1e9:.4g} GFLOP per step")
 
 
 def plot(rows, a, out_dir, prefix, base):
@@ -767,6 +833,8 @@ MODE_HELP = {
     "async_offload": "full checkpointing, inputs offloaded by ckpt_offload",
     "every2_async": "every2, inputs offloaded by ckpt_offload",
     "offload_activations": "no checkpointing, every saved activation offloaded (ckpt_offload.offload_activations)",
+    "attn_offload": "full checkpointing, inputs and attention outputs offloaded (policy=\"attention\"): "
+                    "attention is not recomputed",
 }
 
 
@@ -867,6 +935,9 @@ def run_main(a, device, cuda, bar, t0, result, write):
             bar.set_description(f"{mode} seq={seq}")
             if a.budget_s and time.monotonic() - t0 > a.budget_s:
                 rows.append(dict(mode=mode, seq=seq, skipped=f"time budget of {a.budget_s:g} s spent"))
+            elif mode == "attn_offload" and not ckpt_offload.policies.HAS_OFFLOAD_POLICY:
+                rows.append(dict(mode=mode, seq=seq, skipped=f"torch {torch.__version__} has no "
+                                                             "CheckpointPolicy.MUST_CPU_OFFLOAD (selective offload)"))
             else:
                 row, ref = run_guarded(lambda: measure_mode(model, ids, mode, a, cuda), mode, seq)
                 rows.append(row)

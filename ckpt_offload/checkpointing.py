@@ -9,10 +9,12 @@ import torch.utils.checkpoint as _tuc
 
 from ._args import check_bool as _check_bool
 from ._args import check_not_reentrant as _check_not_reentrant
+from . import policies
 from .session import OffloadSession
 
 # Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
-_CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+_CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+                    "respect_saved_tensors_hooks")
 
 _default_session = None
 _kwarg_warned = False
@@ -66,7 +68,10 @@ def warn_container_tensors(args) -> None:
 
 def run_checkpoint(session, function, args, kwargs, keep=False):
     """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device;
-    keep=True: stay on device but start the reloads of earlier layers when backward reaches them)."""
+    keep=True: stay on device but start the reloads of earlier layers when backward reaches them).
+    A selective-checkpoint context_fn offloads what its policy marks through the same session."""
+    if "context_fn" in kwargs or "respect_saved_tensors_hooks" in kwargs:
+        kwargs = policies.bind(kwargs, session, keep)
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if not keep and not _container_warned:
@@ -93,6 +98,12 @@ def checkpoint(function, *args, offload: bool = True, use_reentrant=None, sessio
     passed through keywords or closures, or inside a list, tuple or dict, are not offloaded
     (saved-tensor hooks cannot see them; a warning says so once). An offloaded input comes back
     in backward as an equal tensor, not the same Python object.
+
+    context_fn accepts torch's selective checkpointing,
+    functools.partial(create_selective_checkpoint_contexts, policy_fn): outputs the policy marks
+    MUST_/PREFER_CPU_OFFLOAD are saved, not recomputed, and offloaded with the inputs; *_SAVE
+    outputs stay on the device (respect_saved_tensors_hooks=True offloads them too). See
+    ckpt_offload.policies.
     """
     _check_not_reentrant("ckpt_offload.checkpoint", use_reentrant)
     if not callable(function):

@@ -11,6 +11,7 @@ from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tenso
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_not_reentrant as _check_not_reentrant
+from . import policies
 from .session import OffloadSession
 
 _STATE_ATTR = "_ckpt_offload_state"
@@ -75,8 +76,9 @@ def _set(saved, module, name, value):
     setattr(module, name, value)
 
 
-def _wrap(module: nn.Module, session, keep):
+def _wrap(module: nn.Module, session, keep, context=None):
     original = module.forward
+    ckpt_kwargs = {} if context is None else {"context_fn": context}
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -85,7 +87,7 @@ def _wrap(module: nn.Module, session, keep):
         warn_kwarg_tensors(kwargs)
         # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
         fn = functools.partial(original, **kwargs) if kwargs else original
-        return run_checkpoint(session, fn, args, {}, keep)
+        return run_checkpoint(session, fn, args, ckpt_kwargs, keep)
 
     return forward
 
@@ -99,6 +101,7 @@ def enable_checkpointing(
     prefetch_bytes: int | None = None,
     layers=None,
     use_reentrant=None,
+    policy=None,
 ) -> list[int]:
     """Checkpoints the first repeated block and every n-th after it (0-based index % n == 0).
 
@@ -110,6 +113,11 @@ def enable_checkpointing(
     every_n_layers then counts within that list. Calling again reconfigures.
     Returns the 0-based indices of the checkpointed blocks: into find_repeated_blocks(model), or
     with layers=[modules], into that list. use_reentrant: only None or False (non-reentrant).
+    policy: selective checkpointing inside the checkpointed blocks, a torch SAC policy function or
+    a name ("attention": attention outputs offloaded, the rest recomputed), or a dict of them by
+    block index (numbered as the returned indices); outputs it marks *_CPU_OFFLOAD go to the host
+    with the block's input (on the device in the keep_last blocks and without offload). See
+    ckpt_offload.policies.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +168,11 @@ def enable_checkpointing(
             f"layers; use 0..{len(checkpointed)}"
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    if isinstance(policy, dict) and numbering is not None:
+        # Keys count as the returned indices do (into the repeated blocks): back to positions in blocks.
+        position = {n: i for i, n in enumerate(numbering)}
+        policy = {position.get(k, k) if _is_index(k) else k: p for k, p in policy.items()}
+    contexts = policies.per_block("enable_checkpointing", policy, checkpointed)
 
     disable_checkpointing(model)
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloaded else None
@@ -172,10 +185,12 @@ def enable_checkpointing(
                 _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
         for i in checkpointed:
             _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, i not in offloaded))
+            ckpt_kwargs = {} if contexts[i] is None else {"context_fn": contexts[i]}
+            _set(saved, blocks[i], "_gradient_checkpointing_func",
+                 checkpoint_function(session, i not in offloaded, **ckpt_kwargs))
     else:
         for i in checkpointed:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded))
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i]))
     hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
     if numbering is not None:
         checkpointed = [numbering[i] for i in checkpointed]

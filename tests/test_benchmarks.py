@@ -81,6 +81,32 @@ def test_targets_are_not_judged_on_a_cpu_run_or_without_their_modes():
     assert verdicts(targets)[("host allocations after the first step", None)] is True
 
 
+def test_attn_offload_targets_judged_at_long_sequences_on_a_gpu():
+    def rows(seq, attn_ms, attn_act):
+        return [row("full", seq, 100.0), row("async_offload", seq, 102.0, peak_device_bytes=5000, base_device_bytes=1000),
+                row("attn_offload", seq, attn_ms, peak_device_bytes=1000 + attn_act, base_device_bytes=1000,
+                    act_device_bytes=10)]
+
+    v = verdicts(bench_step.evaluate_targets(rows(8192, 95.0, 4100) + rows(4096, 99.0, 4000), [], None, cuda=True))
+    assert v[("attn_offload time / full", 8192)] is True  # 0.95
+    assert v[("attn_offload activation peak / async_offload", 8192)] is True  # 1.025
+    assert v[("attn_offload time / full", 4096)] is None  # judged from seq 8192 only
+    v = verdicts(bench_step.evaluate_targets(rows(8192, 97.0, 4300), [], None, cuda=True))
+    assert v[("attn_offload time / full", 8192)] is False  # 0.97
+    assert v[("attn_offload activation peak / async_offload", 8192)] is False  # 1.075
+    # Without the mode there is no attn_offload target at all.
+    assert not any("attn_offload" in t["target"] for t in gpu_run(async_ms=102.0, saving_fraction=0.99, d2h=45.0, h2d=48.0))
+
+
+def test_attention_figures_of_a_llama_shaped_layer():
+    class A:
+        batch, hidden, heads, elem, layers = 1, 4096, 32, 2, 8
+
+    f = bench_step.attention_figures(A, 8192, offloaded_layers=7)
+    assert f["attn_host_bytes"] == 7 * (8192 * 4096 * 2 + 32 * 8192 * 4)  # 64 MiB + 1 MiB logsumexp a layer
+    assert f["recompute_avoided_flop"] == 8 * 2 * 8192 * 8192 * 4096  # causal QK^T and PV, every layer
+
+
 def run_script(args, out_dir):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("CKPT_OFFLOAD_TEST_CPU", None)
@@ -118,6 +144,11 @@ def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
     for mode in ("async_offload", "every2_async"):
         (sv,) = [x for x in result["savings"] if x["mode"] == mode]
         assert 0.95 <= sv["fraction"] <= 1.05 and sv["after_forward_bytes"] == sv["theoretical_bytes"], sv
+    # attn_offload: the inputs and the attention outputs of 3 of 4 layers on the host, the same
+    # activation peak as async_offload.
+    at = next(r for r in result["rows"] if r["mode"] == "attn_offload")
+    assert at["bytes_offloaded_per_step"] == 3 * (2 * 64 * 64 * 4 + 2 * 64 * 64 * 4 + 2 * 4 * 64 * 4)
+    assert at["live_peak_bytes"] == a["live_peak_bytes"]
     assert {t["target"] for t in result["targets"]} >= {"async_offload time / full",
                                                         "host allocations after the first step"}
     assert "CPU timings" in result["timing"] and "targets" in p.stdout

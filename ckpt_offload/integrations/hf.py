@@ -21,6 +21,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
     ) from err
 
+from .. import policies
 from ..checkpointing import checkpoint_function
 from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
@@ -80,11 +81,13 @@ def training_args_checkpointing(args):
 
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
-           prefetch_bytes=None, **checkpoint_kwargs) -> list[int]:
+           prefetch_bytes=None, policy=None, **checkpoint_kwargs) -> list[int]:
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
     through the async engine (the last keep_last checkpointed layers stay on the device).
     checkpoint_kwargs go to torch.utils.checkpoint.checkpoint (non-reentrant only).
+    policy: selective checkpointing inside the layers, as for enable_checkpointing ("attention":
+    the outputs of scaled-dot-product attention, transformers' default, offloaded with the layer).
     Returns the 0-based indices of the checkpointed GradientCheckpointingLayer modules.
     """
     if not isinstance(model, transformers.PreTrainedModel):
@@ -96,12 +99,20 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         _check_int("hf.enable", "prefetch_bytes", prefetch_bytes, 1)
     _check_bool("hf.enable", "offload", offload)
     _check_not_reentrant("hf.enable", checkpoint_kwargs.pop("use_reentrant", None))
+    if policy is not None and "context_fn" in checkpoint_kwargs:
+        raise ValueError("hf.enable: pass policy= or a context_fn, not both (policy builds the context_fn)")
+    policy = policies.prepare("hf.enable", policy)
     checkpointing_enable(model, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
     _forget(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
     model.__dict__[_STATE_ATTR] = (checkpointed, [], [])
+    contexts = policies.per_block("hf.enable", policy, checkpointed)
     if not offload:
+        for i in checkpointed:
+            if contexts[i] is not None:  # the policy's offload outputs stay on the device, saved
+                layers[i]._gradient_checkpointing_func = checkpoint_function(None, True, context_fn=contexts[i],
+                                                                             **checkpoint_kwargs)
         return checkpointed
     if keep_last > len(checkpointed):
         raise ValueError(
@@ -111,10 +122,11 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     offloaded = checkpointed[: len(checkpointed) - keep_last]
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
     func = checkpoint_function(session, False, **checkpoint_kwargs)
-    kept = checkpoint_function(session, True, **checkpoint_kwargs)
     for i in checkpointed:
         # The kept layers still mark where backward reaches them, to start earlier reloads.
-        layers[i]._gradient_checkpointing_func = func if i in offloaded else kept
+        ctx = {} if contexts[i] is None else {"context_fn": contexts[i]}
+        layers[i]._gradient_checkpointing_func = checkpoint_function(session, i not in offloaded,
+                                                                     **checkpoint_kwargs, **ctx)
     # Modules that checkpoint their children themselves (older model code) offload too.
     for m in model.modules():
         if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
