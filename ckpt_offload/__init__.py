@@ -12,6 +12,7 @@ from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, sy
 from .activations import offload_activations  # noqa: E402
 from .session import OffloadSession  # noqa: E402
 from .model import checkpointing_state, disable_checkpointing, enable_checkpointing, find_repeated_blocks  # noqa: E402
+from .reserve import reserve_for  # noqa: E402
 
 HostPool = _C.HostPool
 HostBlock = _C.HostBlock
@@ -44,6 +45,7 @@ __all__ = [
     "poll",
     "engine_for",
     "host_pool",
+    "reserve_for",
     "build_info",
     "HostPool",
     "HostBlock",

@@ -9,7 +9,7 @@ import re
 import threading
 import warnings
 import weakref
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -142,6 +142,7 @@ class OffloadSession:
         self._next_seq = 0
         self._compact_at = 64
         self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype)]
+        self._forward_starts: list[int] = []  # pack position where each forward began, ascending
         self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
         self._module_ptrs: set = set()
@@ -161,6 +162,18 @@ class OffloadSession:
         point where backward reaches them, so the reloads of earlier tensors start there."""
         self.next_layer()
         return torch.autograd.graph.saved_tensors_hooks(self.pack_kept if keep else self.pack, self.unpack)
+
+    def new_forward(self):
+        """What is packed from now on belongs to a new forward (graph): a backward prefetches only
+        records of its own forward, never those of another graph still alive."""
+        with self._lock:
+            starts, seq = self._forward_starts, self._next_seq
+            if not starts or starts[-1] != seq:
+                starts.append(seq)
+            # Only starts at or after the oldest live record still delimit anything.
+            oldest = self._seqs[0] if self._seqs else seq
+            while len(starts) > 1 and starts[1] <= oldest:
+                starts.pop(0)
 
     def next_layer(self):
         """What is packed from now on belongs to a new layer (the unit prefetch counts by)."""
@@ -185,6 +198,13 @@ class OffloadSession:
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
         if self._module_ptrs and t.untyped_storage().data_ptr() in self._module_ptrs:
+            return False
+        base = t._base
+        if base is not None and (isinstance(base, torch.nn.Parameter) or type(base) is not torch.Tensor):
+            # A view of a parameter (F.linear saves weight.t()): copying it frees nothing, and under
+            # FSDP2 the unsharded parameter's storage is freed (resize_(0)) after the forward, possibly
+            # while the copy still reads it. Looked up per view: FSDP2 registers its unsharded
+            # parameters after the module hooks have noted the sharded ones.
             return False
         return True
 
@@ -373,11 +393,16 @@ class OffloadSession:
                 seqs.pop()
                 refs.pop()
             i = bisect_left(seqs, seq) - 1
+            # Records packed before the forward that packed seq belong to other graphs (kept alive
+            # without backward, or micro-batches whose backward comes later): not this backward's.
+            starts = self._forward_starts
+            j = bisect_right(starts, seq) - 1
+            lowest = starts[j] if j >= 0 else -1
             queued = queued_bytes = 0
             group = None
             by_layer = self.prefetch_unit == "layer"
             todo = []
-            while i >= 0:
+            while i >= 0 and seqs[i] >= lowest:
                 r = refs[i]()
                 i -= 1
                 if r is None or r.handle is None:
@@ -400,6 +425,7 @@ class OffloadSession:
 
     # -- context -------------------------------------------------------------------------------
     def begin(self):
+        self.new_forward()
         if self._track_modules:
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
 
@@ -429,7 +455,9 @@ class OffloadSession:
         return handles
 
     def exclude_module_tensors(self, model):
-        """Never offload model's parameters and buffers (by storage), until the next call."""
+        """Never offload model's parameters and buffers (by storage), until the next call. Called
+        before each forward of the model: it also starts a new forward (see new_forward)."""
+        self.new_forward()
         ptrs = set()
         for t in (*model.parameters(), *model.buffers()):
             ptr = _storage_ptr(t)

@@ -23,6 +23,8 @@ py::dict pool_stats_dict(const PoolStats& s) {
   d["in_use_bytes"] = s.in_use_bytes;
   d["peak_in_use_bytes"] = s.peak_in_use_bytes;
   d["high_water_bytes"] = s.high_water_bytes;
+  d["in_use_block_bytes"] = s.in_use_block_bytes;
+  d["working_set_bytes"] = s.working_set_bytes;
   d["blocks_reserved"] = s.blocks_reserved;
   d["blocks_in_use"] = s.blocks_in_use;
   d["alloc_calls"] = s.alloc_calls;
@@ -127,10 +129,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "reserve",
           [](HostPool& p, int64_t nbytes, int64_t count) {
-            TORCH_CHECK_VALUE(count >= 0, "reserve: count must be >= 0, got ", count);
-            p.reserve(checked_size(nbytes, "reserve: nbytes"), static_cast<size_t>(count));
+            TORCH_CHECK_VALUE(count >= 0, "HostPool.reserve: count must be >= 0, got ", count);
+            p.reserve(checked_size(nbytes, "HostPool.reserve: nbytes"), static_cast<size_t>(count));
           },
-          py::arg("nbytes"), py::arg("count") = 1, release_gil())
+          py::arg("nbytes"), py::arg("count") = 1, release_gil(),
+          "Makes sure `count` requests of nbytes, held at once, are served from free blocks; allocates "
+          "only what the free blocks cannot cover (a second call allocates nothing)")
+      .def(
+          "reserve",
+          [](HostPool& p, const std::vector<int64_t>& sizes) {
+            std::vector<size_t> checked;
+            checked.reserve(sizes.size());
+            for (int64_t n : sizes) checked.push_back(checked_size(n, "HostPool.reserve: every size"));
+            py::gil_scoped_release no_gil;
+            p.reserve(checked);
+          },
+          py::arg("sizes"),
+          "The same for a list of request sizes held at once (ckpt_offload.reserve_for passes one step's)")
       .def("empty_cache", &HostPool::empty_cache, release_gil())
       .def(
           "set_capacity",
@@ -156,11 +171,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("n"), "Testing aid: the next n host allocations fail as if pinned memory ran out")
       .def_static(
           "round_size", [](int64_t n) { return HostPool::round_size(checked_size(n, "round_size: nbytes")); },
-          py::arg("nbytes"), "The size class (block capacity) a request of nbytes is allocated with")
-      .def_static(
-          "max_fitting_capacity",
-          [](int64_t n) { return HostPool::max_fitting_capacity(checked_size(n, "max_fitting_capacity: nbytes")); },
-          py::arg("nbytes"), "The largest free block a request of nbytes may reuse");
+          py::arg("nbytes"), "The size class (block capacity) a request of nbytes is allocated with");
 
   py::class_<OffloadHandle, std::shared_ptr<OffloadHandle>>(m, "OffloadHandle")
       .def_property_readonly("state",

@@ -1,12 +1,19 @@
-// Host buffer pool: size classes, reuse ordered by copy events, a soft capacity cap, statistics.
+// Host buffer pool: size classes, best-fit reuse ordered by copy events, the reserve bound, a soft
+// capacity cap, statistics; pinned allocations made in a context that already exists.
 #include "host_pool.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <cuda.h>  // driver types only: the functions come from cudaGetDriverEntryPointByVersion
+#endif
 
 namespace ckpt_offload {
 
@@ -16,6 +23,101 @@ constexpr size_t kSmallStep = 512;
 constexpr size_t kHostAlignment = 4096;
 
 size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+// cudaHostAlloc and cudaFreeHost act in the calling thread's current context. With none current,
+// the runtime makes the primary context of the thread's current device current, creating it if
+// needed; a thread that never selected a device gets device 0, so pinning from such a thread (a
+// pool filled before set_device, a block freed on a data-loading thread) would create a context,
+// hundreds of MiB, on GPU 0 in every rank. Portable pinned memory serves every context, so any
+// context that already exists will do: this guard makes one current for the call, the primary
+// context of the thread's current device when it is active, else of the first device whose primary
+// context is active, and touches nothing when a context is current already. Only when no context
+// exists at all does the runtime create one, on the caller's current device. The driver functions
+// come through the runtime's entry-point query, so nothing links against libcuda.
+struct DriverCalls {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  using SetCurrent = CUresult (*)(CUcontext);
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  using Retain = CUresult (*)(CUcontext*, CUdevice);
+  using Release = CUresult (*)(CUdevice);
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  GetCurrent get_current = nullptr;
+  SetCurrent set_current = nullptr;
+  GetState get_state = nullptr;
+  Retain retain = nullptr;
+  Release release = nullptr;
+  DeviceGet device_get = nullptr;
+  bool ok = false;
+
+  static const DriverCalls& get() {
+    static const DriverCalls calls = [] {
+      DriverCalls c;
+      auto load = [](const char* name, auto& fn) {
+        void* ptr = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion(name, &ptr, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+          (void)cudaGetLastError();
+          return false;
+        }
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(ptr);
+        return true;
+      };
+      c.ok = load("cuCtxGetCurrent", c.get_current) && load("cuCtxSetCurrent", c.set_current) &&
+             load("cuDevicePrimaryCtxGetState", c.get_state) && load("cuDevicePrimaryCtxRetain", c.retain) &&
+             load("cuDevicePrimaryCtxRelease", c.release) && load("cuDeviceGet", c.device_get);
+      return c;
+    }();
+    return calls;
+  }
+};
+
+class ExistingContextGuard {
+ public:
+  ExistingContextGuard() {
+    const DriverCalls& d = DriverCalls::get();
+    CUcontext current = nullptr;
+    if (!d.ok || d.get_current(&current) != CUDA_SUCCESS || current != nullptr) return;
+    int preferred = 0, count = 0;
+    if (cudaGetDevice(&preferred) != cudaSuccess || cudaGetDeviceCount(&count) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    for (int i = -1; i < count; ++i) {
+      const int ordinal = i < 0 ? preferred : i;
+      CUdevice dev = 0;
+      unsigned int flags = 0;
+      int active = 0;
+      if (d.device_get(&dev, ordinal) != CUDA_SUCCESS || d.get_state(dev, &flags, &active) != CUDA_SUCCESS ||
+          !active) {
+        continue;
+      }
+      CUcontext ctx = nullptr;
+      if (d.retain(&ctx, dev) != CUDA_SUCCESS) continue;  // active: retaining creates nothing
+      if (d.set_current(ctx) != CUDA_SUCCESS) {
+        d.release(dev);
+        continue;
+      }
+      dev_ = dev;
+      set_ = true;
+      return;
+    }
+  }
+  ~ExistingContextGuard() {
+    if (!set_) return;
+    const DriverCalls& d = DriverCalls::get();
+    d.set_current(nullptr);  // the thread had no current context: leave it so
+    d.release(dev_);
+  }
+  ExistingContextGuard(const ExistingContextGuard&) = delete;
+  ExistingContextGuard& operator=(const ExistingContextGuard&) = delete;
+
+ private:
+  CUdevice dev_ = 0;
+  bool set_ = false;
+};
+#endif
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -77,10 +179,6 @@ size_t HostPool::round_size(size_t nbytes) {
   return round_up(nbytes, size_t{1} << (log2 - 4));
 }
 
-size_t HostPool::max_fitting_capacity(size_t nbytes) {
-  return std::max(round_size(nbytes), static_cast<size_t>(kSlack * static_cast<double>(nbytes)));
-}
-
 void* HostPool::system_alloc(size_t bytes) {
   uint64_t pending = inject_failures_.load();
   while (pending > 0) {
@@ -89,6 +187,7 @@ void* HostPool::system_alloc(size_t bytes) {
   void* ptr = nullptr;
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (pinned_) {
+    ExistingContextGuard guard;
     // Portable: any device may copy from or to the block, so one pool serves every GPU.
     cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
     if (err == cudaErrorMemoryAllocation) {
@@ -106,6 +205,7 @@ void* HostPool::system_alloc(size_t bytes) {
 void HostPool::system_free(void* ptr) {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (pinned_) {
+    ExistingContextGuard guard;
     CKPT_CUDA_CHECK_WARN(cudaFreeHost(ptr));
     return;
   }
@@ -114,13 +214,15 @@ void HostPool::system_free(void* ptr) {
 }
 
 void HostPool::evict_until(size_t extra, size_t limit) {
-  // Completed blocks first, largest first: the fewest frees that make room. A block whose last
+  // Idle blocks first, smallest first: the larger ones serve more requests. A block whose last
   // copy is still running is waited for before it goes back to the system.
   for (int pass = 0; pass < 2 && st_.reserved_bytes + extra > limit; ++pass) {
-    for (auto it = free_.end(); it != free_.begin() && st_.reserved_bytes + extra > limit;) {
-      --it;
+    for (auto it = free_.begin(); it != free_.end() && st_.reserved_bytes + extra > limit;) {
       FreeBlock& fb = it->second;
-      if (pass == 0 && !event_done(fb.last_use)) continue;
+      if (pass == 0 && !event_done(fb.last_use)) {
+        ++it;
+        continue;
+      }
       if (fb.last_use) fb.last_use->synchronize();
       system_free(fb.ptr);
       st_.reserved_bytes -= fb.capacity;
@@ -131,41 +233,40 @@ void HostPool::evict_until(size_t extra, size_t limit) {
   }
 }
 
+HostPool::FreeMap::iterator HostPool::best_fit(size_t cls) {
+  auto it = free_.lower_bound(cls);
+  if (it == free_.end()) return it;
+  // Among blocks of the smallest fitting capacity, one no copy is reading any more.
+  for (auto same = it; same != free_.end() && same->first == it->first; ++same) {
+    if (event_done(same->second.last_use)) return same;
+  }
+  return it;
+}
+
+size_t HostPool::bound_limit(uint64_t high_water, uint64_t working_set) {
+  return std::max(static_cast<size_t>(kReserveBound * static_cast<double>(high_water)),
+                  static_cast<size_t>(working_set));
+}
+
 std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
   const size_t cls = round_size(nbytes);
   std::shared_ptr<HostBlock> block;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    // Smallest fitting free block: the exact class first, else a larger one of at most kSlack
-    // times the request (shapes that differ a little from step to step share blocks instead of
-    // allocating every step). Bounding a block by the request it serves, not by its class, keeps
-    // every block in use within kSlack of its request, so the eviction below can always bring
-    // reserved bytes back within kSlack of the high-water mark.
-    // Preference: exact class and idle, exact class with a copy still reading it, larger and
-    // idle, larger and busy; the first that exists wins.
-    const size_t largest = max_fitting_capacity(nbytes);
-    auto pick = free_.end();
-    int best = 4;
-    for (auto it = free_.lower_bound(cls); it != free_.end() && it->first <= largest && best > 0; ++it) {
-      const int rank = (it->first == cls ? 0 : 2) + (event_done(it->second.last_use) ? 0 : 1);
-      if (rank < best) {
-        best = rank;
-        pick = it;
-      }
-    }
-
+    auto pick = best_fit(cls);
     if (pick != free_.end()) {
       FreeBlock fb = pick->second;
       free_.erase(pick);
       st_.hits += 1;
-      note_in_use(nbytes);
+      note_in_use(nbytes, fb.capacity);
       EventPtr pending = event_done(fb.last_use) ? nullptr : fb.last_use;
       block = std::make_shared<HostBlock>(shared_from_this(), fb.ptr, fb.capacity, nbytes, std::move(pending));
     } else {
-      // Keep reserved bytes within kSlack of the largest working set seen (or what reserve()
-      // asked for): free blocks of sizes no longer used go back before a new one is pinned.
-      const uint64_t high_after = std::max(high_water_, st_.in_use_bytes + nbytes);
-      evict_until(cls, reserve_floor_ + static_cast<size_t>(kSlack * static_cast<double>(high_after)));
+      // Every free block is smaller than this request. The reserve bound, counting this request as
+      // in use, decides how many of them go back to the system before the pool grows.
+      const uint64_t h = std::max<uint64_t>(high_water_, st_.in_use_bytes + nbytes);
+      const uint64_t w = std::max<uint64_t>(working_set_, st_.in_use_block_bytes + cls);
+      evict_until(cls, bound_limit(h, w));
       if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
         evict_until(cls, st_.capacity_bytes);
         if (st_.reserved_bytes + cls > st_.capacity_bytes) {
@@ -185,7 +286,7 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
       }
       st_.alloc_calls += 1;
       st_.allocated_bytes += cls;
-      note_in_use(nbytes);
+      note_in_use(nbytes, cls);
       block = std::make_shared<HostBlock>(shared_from_this(), ptr, cls, nbytes, nullptr);
     }
   }
@@ -217,38 +318,73 @@ void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls
   return ptr;
 }
 
-void HostPool::note_in_use(size_t nbytes) {
+void HostPool::note_in_use(size_t nbytes, size_t capacity) {
   st_.in_use_bytes += nbytes;
+  st_.in_use_block_bytes += capacity;
   st_.blocks_in_use += 1;
   st_.peak_in_use_bytes = std::max(st_.peak_in_use_bytes, st_.in_use_bytes);
   high_water_ = std::max(high_water_, st_.in_use_bytes);
+  working_set_ = std::max(working_set_, st_.in_use_block_bytes);
 }
 
-void HostPool::reserve(size_t nbytes, size_t count) {
-  const size_t cls = round_size(nbytes);
-  for (size_t i = 0; i < count; ++i) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
-      throw std::runtime_error("ckpt_offload: reserve(" + std::to_string(nbytes) + ") would exceed the pool's capacity of " +
-                               std::to_string(st_.capacity_bytes) + " bytes (" +
-                               std::to_string(st_.reserved_bytes) + " reserved)");
+void HostPool::reserve(const std::vector<size_t>& sizes) {
+  std::vector<size_t> order(sizes);
+  std::sort(order.begin(), order.end(), std::greater<size_t>());
+  std::unique_lock<std::mutex> lock(mu_);
+  // Largest first, each paired with the smallest free block that fits: the pairing smallest-fit
+  // acquires will find. Paired blocks are set aside so that later sizes cannot take them.
+  std::vector<FreeBlock> aside;
+  std::vector<size_t> missing;
+  size_t requested = 0, capacity = 0, to_allocate = 0;
+  for (size_t n : order) {
+    requested += n;
+    auto it = best_fit(round_size(n));
+    if (it != free_.end()) {
+      capacity += it->first;
+      aside.push_back(it->second);
+      free_.erase(it);
+    } else {
+      missing.push_back(round_size(n));
+      to_allocate += missing.back();
     }
+  }
+  auto put_back = [this, &aside] {
+    for (auto& fb : aside) free_.emplace(fb.capacity, fb);
+    aside.clear();
+  };
+  if (st_.capacity_bytes > 0 && st_.reserved_bytes + to_allocate > st_.capacity_bytes) {
+    evict_until(to_allocate, st_.capacity_bytes);  // an explicit call: free blocks outside the pairing may go
+    if (st_.reserved_bytes + to_allocate > st_.capacity_bytes) {
+      const uint64_t reserved = st_.reserved_bytes, cap = st_.capacity_bytes;
+      put_back();
+      throw std::runtime_error("ckpt_offload: HostPool.reserve would need " + std::to_string(to_allocate) +
+                               " more bytes, over the pool's capacity of " + std::to_string(cap) + " bytes (" +
+                               std::to_string(reserved) + " reserved); raise it with set_capacity() or reserve less");
+    }
+  }
+  for (size_t cls : missing) {
     void* ptr = allocate_unlocked(lock, cls);
     if (ptr == nullptr) {
-      throw std::runtime_error("ckpt_offload: the system refused a host allocation of " + std::to_string(cls) +
-                               " bytes" + (pinned_ ? " (pinned)" : ""));
+      put_back();
+      throw std::runtime_error("ckpt_offload: HostPool.reserve: the system refused a host allocation of " +
+                               std::to_string(cls) + " bytes" + (pinned_ ? " (pinned)" : ""));
     }
     st_.alloc_calls += 1;
     st_.allocated_bytes += cls;
-    reserve_floor_ += cls;
-    free_.emplace(cls, FreeBlock{ptr, cls, nullptr});
+    capacity += cls;
+    aside.push_back(FreeBlock{ptr, cls, nullptr});
   }
+  // The reserved requests count as held at once beside what is in use now.
+  high_water_ = std::max<uint64_t>(high_water_, st_.in_use_bytes + requested);
+  working_set_ = std::max<uint64_t>(working_set_, st_.in_use_block_bytes + capacity);
+  evict_until(0, bound_limit(high_water_, working_set_));  // free blocks outside the pairing, if the bound needs it
+  put_back();
 }
 
 size_t HostPool::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
-  reserve_floor_ = 0;
   high_water_ = st_.in_use_bytes;
+  working_set_ = st_.in_use_block_bytes;
   size_t freed = 0;
   for (auto it = free_.begin(); it != free_.end();) {
     if (!event_done(it->second.last_use)) {
@@ -275,6 +411,7 @@ PoolStats HostPool::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   PoolStats out = st_;
   out.high_water_bytes = high_water_;
+  out.working_set_bytes = working_set_;
   return out;
 }
 
@@ -288,6 +425,7 @@ void HostPool::reset_stats() {
 void HostPool::give_back(void* ptr, size_t capacity, size_t requested, EventPtr last_use) {
   std::lock_guard<std::mutex> lock(mu_);
   st_.in_use_bytes -= requested;
+  st_.in_use_block_bytes -= capacity;
   st_.blocks_in_use -= 1;
   free_.emplace(capacity, FreeBlock{ptr, capacity, std::move(last_use)});
 }

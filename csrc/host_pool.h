@@ -1,5 +1,5 @@
-// The host buffer pool: pinned (or, host-only, plain aligned) memory carved into reusable blocks.
-// No torch dependency, so the C++ unit tests build against it alone.
+// The host buffer pool: pinned (or, host-only, plain aligned) memory in reusable blocks, served best
+// fit so that steps of shorter shapes reuse the blocks of the longest. No torch dependency.
 #pragma once
 
 #include <atomic>
@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "cuda_util.h"
 
@@ -20,6 +21,8 @@ struct PoolStats {
   uint64_t in_use_bytes = 0;       // bytes requested by the blocks handed out now
   uint64_t peak_in_use_bytes = 0;  // the largest in_use_bytes since creation or reset_stats()
   uint64_t high_water_bytes = 0;   // the largest in_use_bytes since creation or empty_cache()
+  uint64_t in_use_block_bytes = 0; // capacity of the blocks handed out now (>= in_use_bytes)
+  uint64_t working_set_bytes = 0;  // the largest in_use_block_bytes since creation or empty_cache()
   uint64_t blocks_reserved = 0;
   uint64_t blocks_in_use = 0;
   uint64_t alloc_calls = 0;        // cudaHostAlloc / aligned_alloc calls that succeeded
@@ -62,6 +65,37 @@ class HostBlock {
   EventPtr last_use_;
 };
 
+// The pool's rule, exactly. H = high_water_bytes (the most bytes requested in use at once), W =
+// working_set_bytes (the most block capacity in use at once), both since creation or empty_cache().
+//
+// 1. Fit: a request takes the smallest free block whose capacity is at least its size class
+//    (round_size), however much larger; among blocks of that capacity, one whose last copy has
+//    completed first. So once the blocks of the largest step are in the pool, a step whose requests
+//    can be paired one to one with those of that step, each no larger ("a shorter or equal step":
+//    the same model at a shorter sequence length), is served entirely from free blocks: no
+//    allocation, no free. (Smallest-fit never fails where such a pairing exists: a request that
+//    takes a block another request needed leaves it a block at least as large.)
+// 2. Growth: only a request that no free block fits allocates, one block of its own class.
+// 3. Return to the system: only (a) empty_cache(), (b) reserve() and set_capacity(), explicit calls,
+//    (c) the capacity cap, and (d) the reserve bound below, which acts as a cap: an acquire that
+//    allocates first returns free blocks (all smaller than its request, by rule 1; idle and
+//    smallest first) until reserved + the new block <= max(kReserveBound x H, W). An acquire served
+//    from a free block never frees, so a step of shorter or equal shapes never does.
+// Bound: reserved_bytes <= max(kReserveBound x H, W) at all times (after reserve(), H and W count
+// its sizes as held at once): the limit in (d) is never below what is in use plus the new block,
+// so evicting can always meet it. Every block is within 1/16 of the request it was allocated for
+// (above 8 KiB; below, within 511 bytes), so W <= 1.0625 x H, hence reserved <= 1.15 x H, in the
+// two cases training produces, where a step holds all its requests at once: (i) the longest step
+// came first (or was reserved): later steps allocate nothing, so reserved stays the longest
+// step's classes; (ii) every step makes k requests of one size (a model's checkpointed inputs,
+// batch x length x hidden): no block exceeds the class of the largest request m, at most k are in
+// use, and H >= k x m. For arbitrary sequences W can exceed H, and no rule can promise 1.15 x H
+// without freeing on the offload path: after one request of S, a step of two requests of 0.6 S
+// must either free the S block or hold 1.6 S for 1.2 S requested; here the first takes the S
+// block (rule 1) and the pool holds 1.6 S = W.
+// Growing sizes: a new largest step allocates at most one block per request whose class grew (a
+// growing sequence costs about one allocation per layer per new size class) and frees the smaller
+// blocks the bound no longer allows.
 class HostPool : public std::enable_shared_from_this<HostPool> {
  public:
   // pinned: use cudaHostAlloc (only possible when CUDA is usable); otherwise aligned host memory.
@@ -74,9 +108,17 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // wait_host: block until a reused block's pending copy finished (host writers). Otherwise the
   // block may come with a pending() event that the caller orders its own copy after.
   std::shared_ptr<HostBlock> acquire(size_t nbytes, bool wait_host);
-  // Pre-allocates free blocks for a request of nbytes (count times). Raises if refused.
-  void reserve(size_t nbytes, size_t count = 1);
+  // One call, one step shape: makes sure that requests of these sizes, held at once, are served
+  // from free blocks: pairs them
+  // (largest first, best fit) with the free blocks and allocates only what is left, so a second
+  // call with the same sizes allocates nothing. H and W then count these requests as held at once
+  // beside what is in use now; free blocks outside the pairing go back to the system if the bound
+  // needs it. Raises (std::runtime_error) when the cap or the system refuses; what was allocated
+  // before stays as free blocks.
+  void reserve(const std::vector<size_t>& sizes);
+  void reserve(size_t nbytes, size_t count = 1) { reserve(std::vector<size_t>(count, nbytes)); }
   // Returns every free block whose last copy has completed to the system; returns bytes freed.
+  // H and W restart from what is in use now.
   size_t empty_cache();
   // 0 removes the cap. Lowering it below what is reserved frees free blocks first.
   void set_capacity(size_t bytes);
@@ -89,12 +131,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // The size a request is rounded to: 16 classes per power of two above 8 KiB (waste < 6.25%),
   // multiples of 512 bytes below. Exposed for tests.
   static size_t round_size(size_t nbytes);
-  // Reserved bytes may reach this multiple of the high-water bytes in use (plus what reserve()
-  // asked for) before free blocks are evicted to make room for a new one.
-  static constexpr double kSlack = 1.1;
-  // The largest free block a request of nbytes may take: its own size class, or up to kSlack
-  // times the request when that is larger. Exposed for tests.
-  static size_t max_fitting_capacity(size_t nbytes);
+  // See the rule above: reserved <= max(kReserveBound x H, W).
+  static constexpr double kReserveBound = 1.15;
 
  private:
   explicit HostPool(bool pinned);
@@ -104,21 +142,26 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     size_t capacity;
     EventPtr last_use;
   };
+  using FreeMap = std::multimap<size_t, FreeBlock>;  // capacity -> block
   void give_back(void* ptr, size_t capacity, size_t requested, EventPtr last_use);
   void* system_alloc(size_t bytes);  // nullptr when refused
   void system_free(void* ptr);
-  // Frees free blocks (completed ones first) until `reserved_ + extra <= limit`; caller holds mu_.
+  // Rule 1: the smallest free block of capacity >= cls (idle preferred at that capacity), or end().
+  FreeMap::iterator best_fit(size_t cls);
+  // Frees free blocks (idle ones first, smallest first) until `reserved_ + extra <= limit`; caller
+  // holds mu_.
   void evict_until(size_t extra, size_t limit);
-  void note_in_use(size_t nbytes);  // caller holds mu_
+  static size_t bound_limit(uint64_t high_water, uint64_t working_set);  // max(kReserveBound x H, W)
+  void note_in_use(size_t nbytes, size_t capacity);  // caller holds mu_
   // Allocates a class-sized block with mu_ released meanwhile; nullptr when refused.
   void* allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls);
 
   const bool pinned_;
   std::mutex mu_;
-  std::multimap<size_t, FreeBlock> free_;  // capacity -> block
+  FreeMap free_;
   PoolStats st_;
-  uint64_t high_water_ = 0;    // not reset by reset_stats(): the eviction policy's reference
-  size_t reserve_floor_ = 0;   // bytes pre-allocated by reserve(), kept until empty_cache()
+  uint64_t high_water_ = 0;   // H; not reset by reset_stats(): the bound's reference
+  uint64_t working_set_ = 0;  // W; likewise
   std::atomic<uint64_t> inject_failures_{0};
 };
 

@@ -1,0 +1,90 @@
+"""reserve_for: pin the host memory of the longest expected batch before training, so that no step,
+the first included, allocates pinned memory inside its forward."""
+from __future__ import annotations
+
+import torch
+
+from . import engine as _engine
+
+
+def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None) -> dict:
+    """Runs one training step (forward and backward) of `model` on `example_inputs`, as configured
+    now (enable_checkpointing, integrations.hf.enable, offload_activations inside `loss_fn`...),
+    so that the host pool pins the blocks that step offloads into. The pool keeps every block until
+    `host_pool().empty_cache()` (see the pool rule in the README), and serves any batch whose
+    offloaded tensors are each no larger than this one's from them: pass the longest batch.
+
+    example_inputs: a tuple or list (positional arguments), a dict (keywords) or one tensor.
+    loss_fn: output -> scalar loss. By default the output itself when it is a tensor (summed
+    if it is not a scalar), else its `.loss` (transformers models given labels).
+
+    The step leaves no trace on the model: gradients, buffers (BatchNorm statistics) and the random
+    number generators are as before. Returns the pool's figures: `requests` and `request_bytes`
+    (the blocks the step held at the end of its forward and the bytes requested in them),
+    `block_bytes` (their capacity), `alloc_calls` (host allocations the step made) and
+    `reserved_bytes` (the pool's size afterwards).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"reserve_for: model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"reserve_for: loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    else:
+        raise TypeError(
+            "reserve_for: example_inputs must be a tuple or list of positional arguments, a dict of keywords "
+            f"or a tensor, got {type(example_inputs).__name__}"
+        )
+    if not torch.is_grad_enabled():
+        raise RuntimeError("reserve_for: gradients are disabled here (torch.no_grad); the step needs a backward")
+
+    pool = _engine.host_pool()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index for p in params if p.device.type == "cuda" and p.device.index is not None})
+    before = pool.stats()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for p in params:
+                p.grad = None
+            output = model(*args, **kwargs)
+            loss = _loss(output, loss_fn)
+            held = pool.stats()  # the offloaded tensors hold their blocks until backward
+            loss.backward()
+            del output, loss
+        _engine.synchronize()
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    after = pool.stats()
+    return dict(
+        requests=held["blocks_in_use"] - before["blocks_in_use"],
+        request_bytes=held["in_use_bytes"] - before["in_use_bytes"],
+        block_bytes=held["in_use_block_bytes"] - before["in_use_block_bytes"],
+        alloc_calls=after["alloc_calls"] - before["alloc_calls"],
+        reserved_bytes=after["reserved_bytes"],
+    )
+
+
+def _loss(output, loss_fn):
+    if loss_fn is not None:
+        loss = loss_fn(output)
+    elif isinstance(output, torch.Tensor):
+        loss = output if output.dim() == 0 else output.sum()
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise TypeError(
+            f"reserve_for: cannot tell the loss of a {type(output).__name__} output; pass loss_fn=lambda out: ..."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError("reserve_for: loss_fn must return a scalar tensor")
+    return loss

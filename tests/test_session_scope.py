@@ -1,0 +1,104 @@
+"""What a session offloads and prefetches across graphs: views of parameters stay where they are
+(FSDP2 frees the unsharded storage after the forward), and a backward prefetches only the records
+of its own forward, never those of another graph kept alive."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckpt_offload
+from tiny_gpt import grads, loss_of, make_batch, make_model
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+
+def test_a_view_of_a_parameter_is_never_offloaded():
+    # FSDP2 registers its unsharded parameters after the module hooks have run, so the session
+    # cannot know them by storage; F.linear saves weight.t(), a view whose base is the parameter.
+    weight = torch.nn.Parameter(torch.randn(64, 64))  # held by no module the session sees
+    inp = torch.randn(32, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        F.linear(inp * 2, weight)
+    assert any(t._base is weight for t in saved)  # the case this test is about does occur
+    ckpt_offload.reset_stats()
+    with ckpt_offload.offload_activations(min_bytes=0):
+        x = inp * 2
+        y = F.linear(x, weight)
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 1 and s["bytes_offloaded"] == x.numel() * 4  # x alone
+    # What FSDP2 does between forward and backward: free the unsharded storage, then refill it.
+    data = weight.detach().clone()
+    weight.untyped_storage().resize_(0)
+    weight.untyped_storage().resize_(data.numel() * 4)
+    weight.data.copy_(data)  # FSDP2's all-gather writes the storage without a version bump
+    y.square().sum().backward()
+    ref_inp = inp.detach().clone().requires_grad_()
+    ref_w = data.clone().requires_grad_()
+    F.linear(ref_inp * 2, ref_w).square().sum().backward()
+    assert torch.equal(inp.grad, ref_inp.grad) and torch.equal(weight.grad, ref_w.grad)
+
+
+def test_views_of_ordinary_activations_are_still_offloaded():
+    with ckpt_offload.offload_activations(min_bytes=0):
+        x = torch.randn(32, 64, requires_grad=True) * 2
+        y = (x[:, :32] * x[:, 32:]).sum()
+    assert ckpt_offload.stats()["tensors_offloaded"] >= 1
+    y.backward()
+
+
+def _records(session):
+    return [r for r in (ref() for ref in session._refs) if r is not None]
+
+
+@pytest.mark.parametrize("from_middle", [True, False])
+def test_backward_prefetches_nothing_of_another_graph_kept_alive(from_middle):
+    model = make_model(layers=6, hidden=32, heads=4, max_len=64)
+    ref = make_model(layers=6, hidden=32, heads=4, max_len=64)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, prefetch=2)
+    session = model._ckpt_offload_state.session
+    if not from_middle:
+        session.defer_prefetch = False
+    ids_a, ids_b = make_batch(seed=1, seq=48), make_batch(seed=2, seq=40)
+
+    loss_a = loss_of(model, ids_a)  # graph A: kept alive, no backward yet
+    records_a = _records(session)
+    assert len(records_a) == 5  # six blocks, the last kept on the device
+    ckpt_offload.reset_stats()
+    loss_b = loss_of(model, ids_b)
+    records_b = [r for r in _records(session) if all(r is not a for a in records_a)]
+    bytes_b = ckpt_offload.stats()["bytes_offloaded"]
+    assert len(records_b) == 5 and bytes_b == 5 * 2 * 40 * 32 * 4
+
+    loss_b.backward()
+    s = ckpt_offload.stats()
+    assert not any(r.prefetched for r in records_a)  # A stays on the host, untouched
+    assert all(r.handle is not None for r in records_a)
+    assert s["bytes_prefetched"] == bytes_b and s["tensors_prefetched"] == 5  # all of B, nothing else
+    assert s["reloads_on_demand"] == 0
+
+    loss_a.backward()  # A's own backward still prefetches its layers
+    s = ckpt_offload.stats()
+    assert s["tensors_prefetched"] == 10 and s["reloads_on_demand"] == 0
+    assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+    # Gradients: both micro-batches accumulated, as without offload.
+    loss_of(ref, ids_a).backward()
+    loss_of(ref, ids_b).backward()
+    g_ref, g = grads(ref), grads(model)
+    assert all(torch.allclose(g_ref[n], g[n], rtol=0, atol=1e-6) for n in g_ref)
+    ckpt_offload.disable_checkpointing(model)
+
+
+def test_a_reused_offload_activations_context_prefetches_within_each_forward():
+    ctx = ckpt_offload.offload_activations(min_bytes=0, prefetch=64)
+    lin = torch.nn.Linear(16, 16)
+    inp = torch.randn(8, 16, requires_grad=True)
+    with ctx:
+        y_a = torch.tanh(lin(inp * 2)).sum()
+    records_a = _records(ctx.session)
+    with ctx:  # the same session, a second forward
+        y_b = torch.tanh(lin(inp * 3)).sum()
+    assert records_a
+    y_b.backward()
+    assert not any(r.prefetched for r in records_a)
+    y_a.backward()
+    assert ckpt_offload.stats()["host_in_use_bytes"] == 0
