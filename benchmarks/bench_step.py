@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from ckpt_offload.testing import LiveBytes
 CONFIGS = {
     # Finishes in seconds on a 2-core CPU; the default without a GPU.
     "small": dict(layers=4, hidden=64, heads=4, kv_heads=2, mlp=176, seqs="64", batch=2, dtype="float32",
-                  vocab=256, warmup=1, steps=3),
+                  vocab=256, warmup=1, steps=7),
     # Llama-3-8B-shaped layers; the default with a GPU.
     "standard": dict(layers=8, hidden=4096, heads=32, kv_heads=8, mlp=14336, seqs="4096,8192", batch=1,
                      dtype="bfloat16", vocab=1024, warmup=2, steps=5),
@@ -290,48 +291,249 @@ def link_peak(nbytes, device, reps=5):
     return out
 
 
-def measure(model, ids, mode, ctx, a, cuda):
-    """Warm-up, timed steps, a check step, an inspection step and a profiled step of the model as
-    configured now. The check step runs on other tokens than the timed ones, after them: a reload that
-    returned stale pool memory would then show in the gradients."""
+def measure(model, ids, mode, ctx, a, cuda, timed=None):
+    """Timed steps, a check step, an inspection step and a profiled step of the model as configured
+    now. timed: this mode's timed steps from interleaved_timing (None: warm-up and a.steps timed
+    steps here, one after another). The check step runs on other tokens than the timed ones, after
+    them: a reload that returned stale pool memory would then show in the gradients. The untimed
+    steps start from an empty host pool: the reserved bytes reported are then this mode's own, not
+    what the other modes left reserved."""
+    if timed is None:
+        for _ in range(a.warmup):
+            train_step(model, ids, ctx)  # the first warm-up step fills the pool
+        timed = [one_timed_step(model, ids, ctx, cuda) for _ in range(a.steps)]
     settle(cuda)
-    # Every row starts from an empty host pool: its reserved bytes are then this mode's own, not
-    # what the previous row (another mode or length) left reserved.
     ckpt_offload.host_pool().empty_cache()
-    for _ in range(a.warmup):
-        train_step(model, ids, ctx)  # the first warm-up step fills the pool
+    check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
+    ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
+    act, host, live_peak = inspect_step(model, ids, ctx, cuda)
+    prof = profiled_step(model, ids, ctx, cuda)
+    reserved = ckpt_offload.stats()["host_reserved_bytes"]
+    return dict(mode=mode, seq=ids.shape[1], loss=float(ref[0]), **{**summarize_steps(timed), "host_reserved_bytes": reserved},
+                act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof), ref
+
+
+def measure_mode(model, ids, mode, a, cuda, timed=None):
+    ctx = apply_mode(model, mode, a)
+    row, ref = measure(model, ids, mode, ctx, a, cuda, timed)
+    row["offloaded_layers"] = offloaded_layers(model, mode)
+    ckpt_offload.disable_checkpointing(model)
+    model.layer_call = None
+    return row, ref
+
+
+# -- interleaved timing, noise, varying lengths ----------------------------------------------------
+def one_timed_step(model, ids, ctx, cuda):
+    """One timed step and what it did: host allocations and frees, bytes moved, peaks."""
     settle(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else None  # weights, gradients, inputs: under the peak
     ckpt_offload.reset_stats()
-    times = [timed_step(model, ids, ctx, cuda) for _ in range(a.steps)]
+    ms = timed_step(model, ids, ctx, cuda)
     settle(cuda)
     s = ckpt_offload.stats()
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
-    ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
-    act, host, live_peak = inspect_step(model, ids, ctx, cuda)
-    prof = profiled_step(model, ids, ctx, cuda)
+    return dict(ms=ms, host_alloc_calls=s["host_alloc_calls"], host_free_calls=s["host_free_calls"],
+                bytes_offloaded=s["bytes_offloaded"], bytes_prefetched=s["bytes_prefetched"],
+                host_reserved_bytes=s["host_reserved_bytes"], host_peak_bytes=s["host_peak_bytes"],
+                peak_device_bytes=torch.cuda.max_memory_allocated() if cuda else None, base_device_bytes=base,
+                tensors_kept_on_device=s["tensors_kept_on_device"])
+
+
+def summarize_steps(steps):
+    """The row figures of a mode's timed steps (see benchmarks/README.md, JSON fields)."""
+    times = [x["ms"] for x in steps]
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return dict(
-        mode=mode, seq=ids.shape[1], loss=float(ref[0]), step_ms_median=statistics.median(times), step_ms_min=min(times),
-        step_ms_max=max(times), step_ms_iqr=[q[0], q[2]], step_ms_all=times, peak_device_bytes=peak,
-        base_device_bytes=base,
-        act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, host_reserved_bytes=s["host_reserved_bytes"],
-        host_peak_bytes=s["host_peak_bytes"], host_alloc_calls_timed=s["host_alloc_calls"],
-        bytes_offloaded_per_step=s["bytes_offloaded"] / a.steps,
-        bytes_prefetched_per_step=s["bytes_prefetched"] / a.steps, **prof,
-        tensors_kept_on_device=s["tensors_kept_on_device"]), ref
+    top = max(steps, key=lambda x: x["peak_device_bytes"] or 0)  # the step of the peak, and what it started with
+    return dict(step_ms_median=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times),
+                step_ms_iqr=[q[0], q[2]], step_ms_all=times, peak_device_bytes=top["peak_device_bytes"],
+                base_device_bytes=top["base_device_bytes"],
+                host_reserved_bytes=steps[-1]["host_reserved_bytes"],
+                host_peak_bytes=max(x["host_peak_bytes"] for x in steps),
+                host_alloc_calls_timed=sum(x["host_alloc_calls"] for x in steps),
+                bytes_offloaded_per_step=statistics.fmean(x["bytes_offloaded"] for x in steps),
+                bytes_prefetched_per_step=statistics.fmean(x["bytes_prefetched"] for x in steps),
+                tensors_kept_on_device=sum(x["tensors_kept_on_device"] for x in steps))
 
 
-def measure_mode(model, ids, mode, a, cuda):
-    ctx = apply_mode(model, mode, a)
-    row, ref = measure(model, ids, mode, ctx, a, cuda)
-    row["offloaded_layers"] = offloaded_layers(model, mode)
+def interleaved_timing(modes, prepare, a, cuda, seq):
+    """Warm-up steps of every mode, then a.steps rounds, each timing one step of every mode, the
+    order rotated by one from round to round: a slow spell of the machine then falls on every mode
+    alike, not on whichever mode was running, and round i of two modes makes a pair. prepare(mode)
+    puts the model in that mode and returns (model, ids, ctx). Returns ({mode: [step figures]},
+    {mode: error row}); a mode that fails leaves the rotation."""
+    steps, failed = {m: [] for m in modes}, {}
+    settle(cuda)
+    # Every length starts from an empty host pool, so that no other length's blocks serve this one.
+    ckpt_offload.host_pool().empty_cache()
+
+    def guarded(mode, fn):
+        row, ok = run_guarded(lambda: (fn(), True), mode, seq)
+        if ok is None:
+            failed[mode] = row
+            steps.pop(mode, None)
+        return row
+
+    for mode in modes:
+        def warm(mode=mode):
+            model, ids, ctx = prepare(mode)
+            for _ in range(a.warmup):
+                train_step(model, ids, ctx)  # the first warm-up step fills the pool
+        guarded(mode, warm)
+    for r in range(a.steps):
+        order = [m for m in modes[r % len(modes):] + modes[:r % len(modes)] if m in steps]
+        for mode in order:
+            def step(mode=mode):
+                model, ids, ctx = prepare(mode)
+                steps[mode].append(one_timed_step(model, ids, ctx, cuda))
+            guarded(mode, step)
+    return steps, failed
+
+
+def mark_noise(rows, base_mode="full"):
+    """Pairs each mode's timed steps with the base mode's of the same round: the ratios of the pairs
+    give the spread of time_vs_<base> ([min, max] in time_vs_<base>_paired); when they fall on both
+    sides of 1 the difference is within noise (time_vs_<base>_within_noise). A ratio reported as a
+    difference thus has every round agree on its direction: for two equal modes that happens with
+    probability 2 / 2^steps (1.6% for 7 steps)."""
+    for seq in {r["seq"] for r in rows}:
+        base = next((r for r in rows if r["seq"] == seq and r["mode"] == base_mode and "step_ms_all" in r), None)
+        for r in rows:
+            if base is None or r["seq"] != seq or "step_ms_all" not in r:
+                continue
+            pairs = [x / y for x, y in zip(r["step_ms_all"], base["step_ms_all"])]
+            if len(pairs) == len(base["step_ms_all"]) and pairs:
+                r[f"time_vs_{base_mode}_paired"] = [min(pairs), max(pairs)]
+                r[f"time_vs_{base_mode}_within_noise"] = min(pairs) <= 1.0 <= max(pairs)
+
+
+def fmt_time_ratio(r, base):
+    """The step-time ratio, or 'within noise' when the paired rounds disagree on which mode is faster."""
+    x = r.get(f"time_vs_{base}")
+    if x is None:
+        return "n/a"
+    if r["mode"] == base:
+        return "base"
+    return "within noise" if r.get(f"time_vs_{base}_within_noise") else fmt_ratio(x)
+
+
+def fmt_paired(r, base):
+    """The range of the paired-round ratios behind fmt_time_ratio."""
+    spread = r.get(f"time_vs_{base}_paired")
+    return "n/a" if spread is None or r["mode"] == base else f"{spread[0]:.2f}-{spread[1]:.2f}"
+
+
+def length_schedule(a):
+    """The padded sequence length of each step of the varying-length pass: uniform over the
+    multiples of a.pad_to in [MIN, MAX], drawn with a.seed."""
+    lo, hi = a.length_range
+    grid = list(range(-(-lo // a.pad_to) * a.pad_to, hi + 1, a.pad_to))
+    rng = random.Random(a.seed)
+    return [rng.choice(grid) for _ in range(a.length_steps)]
+
+
+def run_lengths(a, model, device, cuda):
+    """The varying-length pass: a.length_steps steps of every mode in a.length_mode_list, a padded
+    length drawn per step (the same for every mode), modes interleaved round by round, from an
+    emptied pool. Per mode: host allocations and frees of every step and the step times. Once the
+    longest step has run, no step may allocate or free (checked)."""
+    lengths = length_schedule(a)
+    ckpt_offload.synchronize()
+    ckpt_offload.host_pool().empty_cache()  # start empty, so that the allocations show
+    modes = list(a.length_mode_list)
+    per = {m: [] for m in modes}
+    failed = {}
+    for i, seq in enumerate(lengths):
+        ids = make_ids(a, seq, device)
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            if mode in failed:
+                continue
+            row, ok = run_guarded(lambda: (one_timed_step(model, ids, apply_mode(model, mode, a), cuda), True), mode, seq)
+            if ok is None:
+                failed[mode] = row["error"]
+            else:
+                per[mode].append(row)
     ckpt_offload.disable_checkpointing(model)
     model.layer_call = None
-    return row, ref
+    longest = lengths.index(max(lengths))
+    rows, problems = [], []
+    for mode in modes:
+        if mode in failed:
+            rows.append(dict(mode=mode, error=failed[mode]))
+            problems.append(f"varying lengths, {mode}: {failed[mode]}")
+            continue
+        steps = per[mode]
+        times = [x["ms"] for x in steps]
+        allocs = [x["host_alloc_calls"] for x in steps]
+        frees = [x["host_free_calls"] for x in steps]
+        row = dict(mode=mode, lengths=lengths, longest_step=longest, host_alloc_calls_per_step=allocs,
+                   host_free_calls_per_step=frees, allocs_after_longest=sum(allocs[longest + 1:]),
+                   frees_after_longest=sum(frees[longest + 1:]), step_ms_all=times,
+                   step_ms_min=min(times), step_ms_median=statistics.median(times), step_ms_max=max(times),
+                   host_reserved_bytes=steps[-1]["host_reserved_bytes"],
+                   host_peak_bytes=max(x["host_peak_bytes"] for x in steps))
+        rows.append(row)
+        if row["allocs_after_longest"] or row["frees_after_longest"]:
+            problems.append(f"varying lengths, {mode}: {row['allocs_after_longest']} host allocations and "
+                            f"{row['frees_after_longest']} frees after the longest step")
+    return rows, problems
+
+
+def print_lengths(rows, a, cuda):
+    if not rows:
+        return
+    lengths = next((r["lengths"] for r in rows if "lengths" in r), [])
+    longest = next((r["longest_step"] for r in rows if "longest_step" in r), None)
+    print(f"\nvarying lengths: {len(lengths)} steps, padded length drawn uniformly from multiples of {a.pad_to} in "
+          f"{a.length_range[0]}..{a.length_range[1]} (seed {a.seed}); modes interleaved step by step; pool emptied "
+          f"first; " + ("GPU timings (CUDA events)" if cuda else CPU_LABEL))
+    print(f"lengths: {', '.join(map(str, lengths))}; the longest is step {longest}")
+    print_table(["mode", "ms min/med/max", "host allocs per step", "after longest", "frees", "host rsv/peak"],
+                [[r["mode"], f"{r['step_ms_min']:.2f}/{r['step_ms_median']:.2f}/{r['step_ms_max']:.2f}",
+                  ",".join(map(str, r["host_alloc_calls_per_step"])), r["allocs_after_longest"],
+                  sum(r["host_free_calls_per_step"]),
+                  f"{fmt_bytes(r['host_reserved_bytes'])}/{fmt_bytes(r['host_peak_bytes'])}"]
+                 if "error" not in r else [r["mode"], r["error"], "", "", "", ""] for r in rows])
+
+
+# Defaults of the varying-length pass per configuration: a short pass on the CPU, none on a GPU
+# unless asked for (--lengths 2048:8192 there).
+LENGTH_DEFAULTS = {"small": dict(lengths="16:64", length_steps=12, pad_to=8),
+                   "standard": dict(lengths="off", length_steps=20, pad_to=64)}
+LENGTH_MODES = "full,async_offload,offload_activations"
+
+
+def add_length_args(p):
+    p.add_argument("--lengths", metavar="MIN:MAX",
+                   help="varying-length pass: a padded length drawn per step from MIN..MAX ('off': none; "
+                        "default 16:64 on the CPU, off on a GPU)")
+    p.add_argument("--length-steps", type=int, help="steps of the varying-length pass (12 CPU, 20 GPU)")
+    p.add_argument("--pad-to", type=int, help="lengths are multiples of this (8 CPU, 64 GPU)")
+    p.add_argument("--length-modes", default=LENGTH_MODES, help="modes of the varying-length pass")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths")
+
+
+def finish_length_args(a, p, config):
+    for k, v in LENGTH_DEFAULTS[config].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.length_range = None
+    if a.lengths != "off":
+        try:
+            lo, hi = (int(x) for x in a.lengths.split(":"))
+        except ValueError:
+            p.error(f"--lengths must be MIN:MAX (two integers) or 'off', got {a.lengths!r}")
+        if not 0 < lo <= hi:
+            p.error(f"--lengths MIN:MAX needs 0 < MIN <= MAX, got {a.lengths!r}")
+        if a.pad_to < 1 or -(-lo // a.pad_to) * a.pad_to > hi:
+            p.error(f"--pad-to {a.pad_to}: no multiple of it lies in {lo}..{hi}")
+        if a.length_steps < 1:
+            p.error("--length-steps must be at least 1")
+        a.length_range = (lo, hi)
+    a.length_mode_list = a.length_modes.split(",")
+    unknown = set(a.length_mode_list) - set(MODES)
+    if unknown:
+        p.error(f"--length-modes: unknown modes {sorted(unknown)}; choose from {MODES}")
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -441,22 +643,38 @@ def run_hf(a, device, cuda, bar, result, write):
     rows, problems = [], []
     for seq in a.seq_list:
         ids = make_ids(a, seq, device)
-        refs = {}
-        for mode in HF_MODES:
-            bar.set_description(f"{mode} seq={seq}")
+        refs, skipped = {}, {}
+        for mode in HF_MODES:  # which modes this transformers can run
             try:
                 err = apply_hf_mode(model, mode, a, hf, params)
             except Exception as exc:  # a transformers version this script does not know: say so, go on
                 err = f"{type(exc).__name__}: {exc}"
             if err:
                 print(f"{mode}: skipped: {err}")
-                rows.append(dict(mode=mode, seq=seq, skipped=err))
+                skipped[mode] = err
+        modes = [m for m in HF_MODES if m not in skipped]
+
+        def prepare(mode):
+            apply_hf_mode(model, mode, a, hf, params)
+            return wrapped, ids, contextlib.nullcontext
+
+        bar.set_description(f"timed steps, seq={seq}")
+        timed, failed = interleaved_timing(modes, prepare, a, cuda, seq)
+        for mode in HF_MODES:
+            bar.set_description(f"{mode} seq={seq}")
+            if mode in skipped:
+                rows.append(dict(mode=mode, seq=seq, skipped=skipped[mode]))
+            elif mode in failed:
+                rows.append(failed[mode])
             else:
-                row, refs[mode] = run_guarded(lambda: measure(wrapped, ids, mode, contextlib.nullcontext, a, cuda), mode, seq)
+                prepare(mode)
+                row, refs[mode] = run_guarded(
+                    lambda: measure(wrapped, ids, mode, contextlib.nullcontext, a, cuda, timed[mode]), mode, seq)
                 rows.append(row)
             bar.update(1)
             result.update(rows=rows)
             write()  # partial results survive a timeout
+        hf.disable(model)
         refs = {m: r for m, r in refs.items() if r is not None}
         problems += run_checks([r for r in rows if r["seq"] == seq], refs, "hf_gc", HF_BITWISE, cuda, True)
     return rows, problems
@@ -696,7 +914,8 @@ def print_results(rows, saves, cuda, base, title, wide=False):
     cols = [("mode", lambda r: r["mode"], True), ("seq", lambda r: r["seq"], True),
             ("ms med", lambda r: f"{r['step_ms_median']:.2f}", True),
             ("ms min-max", lambda r: f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}", False),
-            (f"t/{base}", lambda r: fmt_ratio(r.get(f"time_vs_{base}")), True),
+            (f"t/{base}", lambda r: fmt_time_ratio(r, base), True),
+            (f"t/{base} rounds", lambda r: fmt_paired(r, base), False),
             ("peak dev" if cuda else "peak live*", fb("peak_device_bytes" if cuda else "live_peak_bytes"), True),
             (f"peak/{base}", lambda r: fmt_ratio(r.get(f"peak_vs_{base}")), True),
             ("act dev", fb("act_device_bytes"), True),
@@ -714,6 +933,8 @@ def print_results(rows, saves, cuda, base, title, wide=False):
     shown = {c[0] for c in cols}
     notes = [f"t/{base}, peak/{base}: step time and peak over {base}'s at the same length; the peak is "
              + ("the device's (max_memory_allocated)" if cuda else "the peak of live tensors (no device memory on CPU)"),
+             f"t/{base}: modes timed round-robin; 'within noise' when the ratios of the paired rounds fall on both "
+             f"sides of 1 (t/{base} rounds, with --wide: their range)",
              "act dev: device bytes held after forward; D2H/step: bytes offloaded per step; allocs: host pool "
              "allocations in the timed steps (0 in steady state)"]
     if not cuda:
@@ -725,10 +946,10 @@ def print_results(rows, saves, cuda, base, title, wide=False):
         notes.append("D2H/H2D GB/s: throughput of the engine's copies on their copy streams in that profiled step "
                      "(CPU: synchronous copies)")
     if "host rsv/peak" in shown:
-        notes.append("act host: pool bytes in use after forward; host rsv/peak: pool bytes reserved / peak in use "
-                     "(each row starts from an empty pool)")
+        notes.append("act host: pool bytes in use after forward; host rsv/peak: pool bytes this mode's untimed steps "
+                     "reserved, from an empty pool / peak in use in the timed steps")
     if not wide:
-        notes.append("--wide adds: spread, act host, H2D/step, host rsv/peak" + ("" if cuda else ", wait ms")
+        notes.append(f"--wide adds: spread, t/{base} rounds, act host, H2D/step, host rsv/peak" + ("" if cuda else ", wait ms")
                      + ", copy GB/s; the JSON holds every figure")
     for i, n in enumerate(notes):
         print(textwrap.fill(n, width=120, initial_indent="* " if i == 0 else "  ", subsequent_indent="    "))
@@ -874,6 +1095,7 @@ def build_parser():
                    "default table keeps to about 120 characters; the JSON always holds every figure")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="directory for the JSON and the plots (default: benchmarks/out)")
+    add_length_args(p)
     return p
 
 
@@ -888,6 +1110,7 @@ def parse_args(argv=None):
     for k, v in CONFIGS[a.config or ("standard" if a.cuda else "small")].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    finish_length_args(a, p, a.config or ("standard" if a.cuda else "small"))
     a.seq_list = [int(s) for s in a.seqs.split(",")]
     a.mode_list = a.modes.split(",")
     unknown = set(a.mode_list) - set(MODES)
@@ -921,6 +1144,11 @@ def run_guarded(fn, mode, seq):
     return dict(mode=mode, seq=seq, error=error), None
 
 
+def attn_supported():
+    """Whether this torch can run attn_offload (selective offload policies)."""
+    return ckpt_offload.policies.HAS_OFFLOAD_POLICY
+
+
 def run_main(a, device, cuda, bar, t0, result, write):
     torch.manual_seed(0)
     model = Decoder(a, device, a.torch_dtype).train()
@@ -931,15 +1159,23 @@ def run_main(a, device, cuda, bar, t0, result, write):
         refs = {}
         if cuda:  # the pinned peak at the size of one layer's input, the block size the step moves
             link[seq] = link_peak(a.batch * seq * a.hidden * a.elem, device)
+        spent = a.budget_s and time.monotonic() - t0 > a.budget_s
+        runnable = [m for m in a.mode_list if not spent and not (m == "attn_offload" and not attn_supported())]
+        bar.set_description(f"timed steps, seq={seq}")
+        timed, failed = interleaved_timing(runnable, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda, seq)
+        ckpt_offload.disable_checkpointing(model)
+        model.layer_call = None
         for mode in a.mode_list:
             bar.set_description(f"{mode} seq={seq}")
-            if a.budget_s and time.monotonic() - t0 > a.budget_s:
-                rows.append(dict(mode=mode, seq=seq, skipped=f"time budget of {a.budget_s:g} s spent"))
-            elif mode == "attn_offload" and not ckpt_offload.policies.HAS_OFFLOAD_POLICY:
+            if mode in failed:
+                rows.append(failed[mode])
+            elif mode == "attn_offload" and not attn_supported():
                 rows.append(dict(mode=mode, seq=seq, skipped=f"torch {torch.__version__} has no "
                                                              "CheckpointPolicy.MUST_CPU_OFFLOAD (selective offload)"))
+            elif mode not in timed or (a.budget_s and time.monotonic() - t0 > a.budget_s):
+                rows.append(dict(mode=mode, seq=seq, skipped=f"time budget of {a.budget_s:g} s spent"))
             else:
-                row, ref = run_guarded(lambda: measure_mode(model, ids, mode, a, cuda), mode, seq)
+                row, ref = run_guarded(lambda: measure_mode(model, ids, mode, a, cuda, timed[mode]), mode, seq)
                 rows.append(row)
                 if ref is not None:  # a mode that ran out of memory never reached disable_checkpointing
                     refs[mode] = ref
@@ -948,6 +1184,7 @@ def run_main(a, device, cuda, bar, t0, result, write):
         problems += [f"seq {seq}: {p}" for p in run_checks([r for r in rows if r["seq"] == seq], refs, "none",
                                                            BITWISE, cuda, restored)]
         add_ratios(rows)
+        mark_noise(rows)
         result.update(rows=rows)
         write()  # partial results survive a timeout
     return rows, problems
@@ -977,11 +1214,17 @@ def main(argv=None):
         if a.hf:
             rows, problems = run_hf(a, device, cuda, bar, result, write)
             add_ratios(rows, "hf_gc")
+            mark_noise(rows, "hf_gc")
             saves = []
         else:
             rows, problems = run_main(a, device, cuda, bar, t0, result, write)
             saves = savings(rows, a)
             result["targets"] = evaluate_targets(rows, saves, result.get("link"), cuda)
+            if a.length_range:
+                bar.set_description("varying lengths")
+                torch.manual_seed(0)
+                result["lengths"], length_problems = run_lengths(a, Decoder(a, device, a.torch_dtype).train(), device, cuda)
+                problems += length_problems
     incomplete = [f"{r['mode']}@{r['seq']}: {r['skipped']}" for r in rows if r.get("skipped")]
     result.update(rows=rows, savings=saves, problems=problems, incomplete=incomplete, elapsed_s=time.monotonic() - t0)
     result["plots"] = plot(rows, a, a.out, prefix, "hf_gc" if a.hf else "full") if rows else []
@@ -989,6 +1232,7 @@ def main(argv=None):
     title = (f"transformers LlamaForCausalLM (random weights), every_n_layers={a.hf_every}" if a.hf
              else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
     print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title, wide=a.wide)
+    print_lengths(result.get("lengths", []), a, cuda)
     if "targets" in result:
         print_targets(result["targets"])
     print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")
@@ -1000,7 +1244,8 @@ def main(argv=None):
     base = "hf_gc" if a.hf else "none"
     print(("checks passed on what ran: " if incomplete else "checks passed: ") + ("losses and gradient fingerprints agree within bf16 tolerance" if cuda else
                                f"losses and gradients match `{base}` (allclose) and bitwise where expected")
-          + "; no host allocations in timed steps")
+          + "; no host allocations in timed steps" + ("; none after the longest step of the varying-length pass"
+                                                        if result.get("lengths") else ""))
     return 0
 
 
