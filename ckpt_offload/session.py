@@ -380,7 +380,8 @@ class OffloadSession:
             self._prefetch_before(held[0])
 
     def _prefetch_before(self, seq):
-        """Start the reloads backward needs next: records packed before position seq, nearest first."""
+        """Start the reloads backward needs next: records packed before position seq in the same
+        forward (see new_forward), nearest first."""
         if self.prefetch <= 0:
             return
         with self._lock:
