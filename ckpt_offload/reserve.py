@@ -2,21 +2,25 @@
 the first included, allocates pinned memory inside its forward."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import engine as _engine
 
 
-def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None) -> dict:
+def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None, context=None) -> dict:
     """Runs one training step (forward and backward) of `model` on `example_inputs`, as configured
-    now (enable_checkpointing, integrations.hf.enable, offload_activations inside `loss_fn`...),
-    so that the host pool pins the blocks that step offloads into. The pool keeps every block until
+    now (enable_checkpointing, integrations.hf.enable), so that the host pool pins the blocks that
+    step offloads into. context: a callable returning the context manager the training loop runs
+    its forward in, e.g. `lambda: ckpt_offload.offload_activations(min_bytes=1 << 20)`. The pool keeps every block until
     `host_pool().empty_cache()` (see the pool rule in the README), and serves any batch whose
     offloaded tensors are each no larger than this one's from them: pass the longest batch.
 
     example_inputs: a tuple or list (positional arguments), a dict (keywords) or one tensor.
-    loss_fn: output -> scalar loss. By default the output itself when it is a tensor (summed
-    if it is not a scalar), else its `.loss` (transformers models given labels).
+    loss_fn: output -> scalar loss, the training loop's own (under `context` what the loss saves is
+    offloaded too). By default the output itself when it is a tensor (summed if it is not a scalar),
+    else its `.loss` (transformers models given labels).
 
     The step leaves no trace on the model: gradients, buffers (BatchNorm statistics) and the random
     number generators are as before. Returns the pool's figures: `requests` and `request_bytes`
@@ -28,6 +32,9 @@ def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None) -> dict:
         raise TypeError(f"reserve_for: model must be a torch.nn.Module, got {type(model).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"reserve_for: loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    if context is not None and not callable(context):
+        raise TypeError(f"reserve_for: context must be a callable returning a context manager, got "
+                        f"{type(context).__name__}")
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
@@ -52,8 +59,9 @@ def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None) -> dict:
         with torch.random.fork_rng(devices=devices):
             for p in params:
                 p.grad = None
-            output = model(*args, **kwargs)
-            loss = _loss(output, loss_fn)
+            with context() if context is not None else contextlib.nullcontext():
+                output = model(*args, **kwargs)
+                loss = _loss(output, loss_fn)
             held = pool.stats()  # the offloaded tensors hold their blocks until backward
             loss.backward()
             del output, loss

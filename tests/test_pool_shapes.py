@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt_offload
-from conftest import HAS_CUDA, requires_cuda
+from conftest import DEVICES, HAS_CUDA, requires_cuda
 from tiny_gpt import grads, loss_of, make_batch, make_model
 
 BOUND = 1.15
@@ -158,14 +158,19 @@ def test_model_with_varying_lengths_allocates_nothing_after_its_longest_step():
     ckpt_offload.disable_checkpointing(model)
 
 
+def xent(logits, ids):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
 # -- reserve_for ------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("test_cpu")
-def test_reserve_for_pins_the_longest_batch_before_the_first_step():
-    model = make_model(layers=6, hidden=32, heads=4, max_len=64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_reserve_for_pins_the_longest_batch_before_the_first_step(device):
+    model = make_model(layers=6, hidden=32, heads=4, max_len=64, device=device)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
     pool = ckpt_offload.host_pool()
     pool.empty_cache()
-    longest = make_batch(seq=64)
+    longest = make_batch(seq=64, device=device)
     got = ckpt_offload.reserve_for(model, (longest,), loss_fn=lambda logits: logits.float().square().mean())
     input_bytes = 2 * 64 * 32 * 4
     assert got["requests"] == 5 and got["request_bytes"] == 5 * input_bytes
@@ -173,13 +178,33 @@ def test_reserve_for_pins_the_longest_batch_before_the_first_step():
     assert all(p.grad is None for p in model.parameters())  # the step left no gradients behind
     ckpt_offload.reset_stats()
     for i, seq in enumerate([64, 17, 64, 40, 8, 63]):
-        loss_of(model, make_batch(seed=i, seq=seq)).backward()
+        loss_of(model, make_batch(seed=i, seq=seq, device=device)).backward()
     ckpt_offload.synchronize()
     s = ckpt_offload.stats()
     assert s["host_alloc_calls"] == 0 and s["host_free_calls"] == 0 and s["tensors_offloaded"] == 6 * 5
     # A second reserve_for of the same batch pins nothing more.
     assert ckpt_offload.reserve_for(model, longest, loss_fn=lambda logits: logits.sum())["alloc_calls"] == 0
     ckpt_offload.disable_checkpointing(model)
+
+
+@pytest.mark.usefixtures("test_cpu")
+def test_reserve_for_runs_the_forward_in_the_training_loops_context():
+    model = make_model(layers=3, hidden=32, heads=4, max_len=64)
+    ckpt_offload.host_pool().empty_cache()
+    ctx = lambda: ckpt_offload.offload_activations(min_bytes=0)  # noqa: E731
+    longest = make_batch(seq=64)
+    # The training loop's own loss: what it saves inside the context is offloaded too.
+    got = ckpt_offload.reserve_for(model, longest, loss_fn=lambda logits: xent(logits, longest), context=ctx)
+    assert got["requests"] > 20 and got["alloc_calls"] > 0  # every saved activation of the forward
+    ckpt_offload.reset_stats()
+    for i, seq in enumerate([64, 30, 9]):
+        with ctx():
+            loss = loss_of(model, make_batch(seed=i, seq=seq))
+        loss.backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] > 60 and s["host_alloc_calls"] == 0 and s["host_free_calls"] == 0
+    with pytest.raises(TypeError, match="context must be a callable"):
+        ckpt_offload.reserve_for(model, make_batch(seq=8), context=ctx())
 
 
 @pytest.mark.usefixtures("test_cpu")
