@@ -481,8 +481,11 @@ class OffloadSession:
 
 
 def _storage_ptr(t):
-    """Data pointer of a plain tensor's storage; None for subclasses (DTensor under FSDP2, fake
-    tensors) and freed storages, which are never offload candidates anyway."""
+    """Data pointer of a plain tensor's storage, or of a DTensor's local tensor (to_local() hands
+    out plain views of it); None for other subclasses (fake tensors) and freed storages, which are
+    never offload candidates anyway."""
+    if t is not None and type(t) not in _PLAIN_TYPES:
+        t = getattr(t, "_local_tensor", None)
     if t is None or type(t) not in _PLAIN_TYPES:
         return None
     try:

@@ -1,6 +1,7 @@
 """FSDP2 and offload_activations: the views of unsharded parameters that the forward saves (F.linear
 saves weight.t()) are never offloaded, since FSDP2 frees their storage after the forward; gradients
-equal those of the same FSDP2 run without offload. One gloo process, in a child interpreter."""
+equal those of the same FSDP2 run without offload. Likewise a DTensor parameter's local view
+(to_local()). One gloo process, in a child interpreter."""
 import os
 import subprocess
 import sys
@@ -48,6 +49,27 @@ s = ckpt_offload.stats()
 loss.backward()
 same = all(torch.equal(a.grad.full_tensor(), b.grad.full_tensor()) for a, b in zip(ref.parameters(), model.parameters()))
 print(len(views), len(others), sum(others.values()), s["tensors_offloaded"], s["bytes_offloaded"], same)
+
+# A DTensor parameter used through to_local(): F.linear saves that plain view of the local tensor.
+from torch.distributed.tensor import Replicate, distribute_tensor
+
+class LocalLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [Replicate()]))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to_local())
+
+layer = LocalLinear()
+inp = torch.randn(16, 32, requires_grad=True)
+ckpt_offload.reset_stats()
+with ckpt_offload.offload_activations(min_bytes=0):
+    h = inp * 2  # an activation, offloaded
+    out = layer(h)
+s = ckpt_offload.stats()
+out.sum().backward()
+print(s["tensors_offloaded"], s["bytes_offloaded"], h.numel() * 4)
 dist.destroy_process_group()
 '''
 
@@ -58,10 +80,13 @@ def test_fsdp2_parameter_views_are_not_offloaded():
     env = dict(os.environ, PYTHONPATH=ROOT, CKPT_OFFLOAD_TEST_CPU="1")
     p = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    views, others, other_bytes, offloaded, offloaded_bytes, same = p.stdout.split()[-6:]
+    views, others, other_bytes, offloaded, offloaded_bytes, same, *local = p.stdout.split()[-9:]
     # The case occurs: the Linears after the first (whose input needs no gradient) saved a view of
     # their unsharded weight, which the session could not know by storage.
     assert int(views) == 2
     # Offloaded: exactly the other saved tensors (inputs and activations), none of the views.
     assert (int(offloaded), int(offloaded_bytes)) == (int(others), int(other_bytes))
     assert same == "True"
+    # The DTensor parameter's local view stays too: only the activation moved.
+    local_offloaded, local_bytes, activation_bytes = map(int, local)
+    assert (local_offloaded, local_bytes) == (1, activation_bytes)
