@@ -70,6 +70,6 @@ def test_the_varying_length_pass_allocates_nothing_after_its_longest_step(tmp_pa
     assert len(asy["host_alloc_calls_per_step"]) == 10 and len(set(asy["lengths"])) > 2
     assert sum(asy["host_alloc_calls_per_step"][: asy["longest_step"] + 1]) >= 3  # the pool started empty
     assert asy["allocs_after_longest"] == 0 and asy["frees_after_longest"] == 0
-    assert "varying lengths" in p.stdout and "paired rounds" in p.stdout and "within noise" in p.stdout
+    assert "varying lengths" in p.stdout and "paired rounds" in p.stdout
     main = {r["mode"]: r for r in result["rows"]}
     assert "time_vs_full_within_noise" in main["async_offload"]
