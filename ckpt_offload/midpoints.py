@@ -63,7 +63,7 @@ class Midpoints:
         return tls
 
     def _block_pre(self, block, args):
-        if _in_backward():
+        if _off(self.session) or _in_backward():
             return
         tls = self._state()
         if block in self.mid:
@@ -72,7 +72,7 @@ class Midpoints:
             tls.calls[block] = []
 
     def _child_post(self, block, child, args, out):
-        if _in_backward() or not torch.is_grad_enabled():
+        if _off(self.session) or _in_backward() or not torch.is_grad_enabled():
             return
         tls = self._state()
         if block in tls.calls:  # this thread's forward is learning the order (first forward)
@@ -87,7 +87,7 @@ class Midpoints:
                     node.register_prehook(self._fire)
 
     def _block_post(self, block, args, out):
-        if _in_backward():
+        if _off(self.session) or _in_backward():
             return
         tls = self._state()
         tls.armed.discard(block)
@@ -110,6 +110,12 @@ class Midpoints:
 
     def _fire(self, grad_outputs):
         self.session.flush_prefetch()
+
+
+def _off(session) -> bool:
+    # Traced by torch.compile (a compiled block body is one autograd node: no middle to hook), or
+    # switched off for this session: the hooks do nothing, and tracing them breaks no graph.
+    return torch.compiler.is_compiling() or not session.defer_prefetch
 
 
 def _grad_node(out):

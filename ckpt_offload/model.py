@@ -7,7 +7,8 @@ import sys
 import torch
 from torch import nn
 
-from .checkpointing import checkpoint_function, run_checkpoint, warn_kwarg_tensors
+from .checkpointing import run_checkpoint, warn_kwarg_tensors
+from .compile import compile_options, compiled, eager_boundary, layer_checkpoint_function
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_not_reentrant as _check_not_reentrant
@@ -76,18 +77,31 @@ def _set(saved, module, name, value):
     setattr(module, name, value)
 
 
-def _wrap(module: nn.Module, session, keep, context=None):
+def _wrap(module: nn.Module, session, keep, context=None, options=None):
     original = module.forward
+    body = compiled(original, options)
     ckpt_kwargs = {} if context is None else {"context_fn": context}
+
+    def run(fn, args, kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        warn_kwarg_tensors(kwargs)
+        # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
+        fn = functools.partial(fn, **kwargs) if kwargs else fn
+        return run_checkpoint(session, fn, args, ckpt_kwargs, keep)
+
+    if session is None:
+        # Without offload torch.compile traces torch's checkpoint itself: nothing to keep eager.
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            return run(body, args, kwargs)
+
+        return forward
+    boundary = eager_boundary(run, session, explicit=options is not None)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        warn_kwarg_tensors(kwargs)
-        # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
-        fn = functools.partial(original, **kwargs) if kwargs else original
-        return run_checkpoint(session, fn, args, ckpt_kwargs, keep)
+        return boundary(body, *args, **kwargs)
 
     return forward
 
@@ -102,6 +116,7 @@ def enable_checkpointing(
     layers=None,
     use_reentrant=None,
     policy=None,
+    compile=False,
 ) -> list[int]:
     """Checkpoints the first repeated block and every n-th after it (0-based index % n == 0).
 
@@ -118,6 +133,8 @@ def enable_checkpointing(
     block index (numbered as the returned indices); outputs it marks *_CPU_OFFLOAD go to the host
     with the block's input (on the device in the keep_last blocks and without offload). See
     ckpt_offload.policies.
+    compile: True or a dict of torch.compile keywords compiles each checkpointed block's forward
+    with them, the checkpoint and offload staying eager around it (see ckpt_offload.compile).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,6 +145,7 @@ def enable_checkpointing(
         _check_int("enable_checkpointing", "prefetch_bytes", prefetch_bytes, 1)
     _check_bool("enable_checkpointing", "offload", offload)
     _check_not_reentrant("enable_checkpointing", use_reentrant)
+    options = compile_options("enable_checkpointing", compile)
 
     numbering = None  # with layers=[indices]: the index of each block among the repeated blocks
     if layers is None or (isinstance(layers, (list, tuple)) and layers and all(_is_index(i) for i in layers)):
@@ -186,12 +204,14 @@ def enable_checkpointing(
         for i in checkpointed:
             _set(saved, blocks[i], "gradient_checkpointing", True)
             ckpt_kwargs = {} if contexts[i] is None else {"context_fn": contexts[i]}
-            _set(saved, blocks[i], "_gradient_checkpointing_func",
-                 checkpoint_function(session, i not in offloaded, **ckpt_kwargs))
+            func = layer_checkpoint_function(session, i not in offloaded, explicit=options is not None, **ckpt_kwargs)
+            _set(saved, blocks[i], "_gradient_checkpointing_func", func)
+            if options is not None:
+                _set(saved, blocks[i], "forward", compiled(blocks[i].forward, options))
     else:
         for i in checkpointed:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i]))
-    hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i], options))
+    hooks = session.attach(model, [blocks[i] for i in checkpointed], midpoints=options is None) if session is not None else []
     if numbering is not None:
         checkpointed = [numbering[i] for i in checkpointed]
         offloaded = [numbering[i] for i in offloaded]

@@ -428,30 +428,32 @@ class OffloadSession:
     def begin(self):
         self.new_forward()
         if self._track_modules:
-            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
+            _track(self)
+            self._module_hook = True
 
     def end(self):
         """Closes a forward: the keep-last queue stays on the device, finished copies free sources."""
         if self._module_hook is not None:
-            self._module_hook.remove()
+            _untrack(self)
             self._module_hook = None
         self._module_ptrs = set()
         self._deferred = []
         self.poll()
 
-    def attach(self, model, blocks) -> list:
+    def attach(self, model, blocks, midpoints=True) -> list:
         """The hooks a checkpointed model needs around this session; returns their handles.
 
         Before each forward, the model's own weights and buffers, which a block may receive
         positionally, are excluded from offload (looked up anew: .to() or FSDP may move them).
         After each forward, sources go back to the allocator. Reloads start mid-backward in each
-        of `blocks` when they allow it (see Midpoints).
+        of `blocks` when they allow it (see Midpoints) and midpoints is True.
         """
+        # Eager under torch.compile: a graph break at the model's first and last op, not inside it.
         handles = [
-            model.register_forward_pre_hook(lambda module, args: self.exclude_module_tensors(module)),
-            model.register_forward_hook(lambda *_: self.poll()),
+            model.register_forward_pre_hook(torch.compiler.disable(lambda module, args: self.exclude_module_tensors(module))),
+            model.register_forward_hook(torch.compiler.disable(lambda *_: self.poll())),
         ]
-        if Midpoints.usable(blocks):
+        if midpoints and Midpoints.usable(blocks):
             handles.append(Midpoints(self, blocks))
         return handles
 
@@ -466,8 +468,14 @@ class OffloadSession:
                 ptrs.add(ptr)
         self._module_ptrs = ptrs
 
-    def _note_module(self, module, args):
-        for t in (*module._parameters.values(), *module._buffers.values()):
+    def _note_module(self, module):
+        inner = module._modules.get("_orig_mod")
+        if inner is not None and type(module).__name__ == "OptimizedModule":
+            # torch.compile(module): inside it this hook is compiled away, so note everything here.
+            tensors = (*inner.parameters(), *inner.buffers())
+        else:
+            tensors = (*module._parameters.values(), *module._buffers.values())
+        for t in tensors:
             ptr = _storage_ptr(t)
             if ptr:
                 self._module_ptrs.add(ptr)
@@ -478,6 +486,42 @@ class OffloadSession:
         they would count as allocated into backward while the host runs ahead of the GPU."""
         for eng in self._engines.values():
             eng.release_sources(0)
+
+
+# The sessions that note the modules run inside them (offload_activations contexts), served by one
+# global module pre-hook. torch.compile guards on that hook's key, so it goes back under the same
+# key each time: a compiled module called in one context reuses its graphs in the next.
+_trackers: list = []
+_trackers_lock = threading.Lock()
+_tracker_hook = None
+
+
+def _note_modules(module, args):
+    if torch.compiler.is_compiling():
+        # Traced into a compiled region: nothing to note at run time (the region's parameters
+        # reach its saved tensors as Parameters, which are never offloaded).
+        return
+    for session in _trackers:
+        session._note_module(module)
+
+
+def _track(session):
+    global _tracker_hook
+    with _trackers_lock:
+        _trackers.append(session)
+        if len(_trackers) > 1:
+            return
+        if _tracker_hook is None:
+            _tracker_hook = torch.nn.modules.module.register_module_forward_pre_hook(_note_modules)
+        else:
+            _tracker_hook.hooks_dict_ref()[_tracker_hook.id] = _note_modules
+
+
+def _untrack(session):
+    with _trackers_lock:
+        _trackers.remove(session)
+        if not _trackers:
+            _tracker_hook.remove()
 
 
 def _storage_ptr(t):

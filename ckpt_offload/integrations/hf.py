@@ -23,6 +23,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from .. import policies
 from ..checkpointing import checkpoint_function
+from ..compile import layer_checkpoint_function
 from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
 from .._args import check_not_reentrant as _check_not_reentrant
@@ -121,12 +122,13 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last]
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    func = checkpoint_function(session, False, **checkpoint_kwargs)
+    # Eager boundaries under torch.compile (see ckpt_offload.compile): the layers' bodies compile.
+    func = layer_checkpoint_function(session, False, **checkpoint_kwargs)
     for i in checkpointed:
         # The kept layers still mark where backward reaches them, to start earlier reloads.
         ctx = {} if contexts[i] is None else {"context_fn": contexts[i]}
-        layers[i]._gradient_checkpointing_func = checkpoint_function(session, i not in offloaded,
-                                                                     **checkpoint_kwargs, **ctx)
+        layers[i]._gradient_checkpointing_func = layer_checkpoint_function(session, i not in offloaded,
+                                                                           **checkpoint_kwargs, **ctx)
     # Modules that checkpoint their children themselves (older model code) offload too.
     for m in model.modules():
         if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):

@@ -1,0 +1,91 @@
+"""torch.compile with offload: a checkpointed block's checkpoint and saved-tensor hooks run eagerly,
+at a graph break on the block's boundary, around the block's own forward, which stays compiled.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .checkpointing import checkpoint_function
+
+try:  # the eval-frame callback: which torch.compile, if any, is running the caller
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _current_callback
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_callback
+except ImportError:  # pragma: no cover - a torch without dynamo
+    _current_callback = _set_callback = None
+
+
+def compile_options(where: str, compile) -> dict | None:
+    """None for compile=False; the torch.compile keywords for compile=True ({}) or a dict."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise TypeError(
+            f"{where}: compile must be True, False or a dict of torch.compile keywords "
+            f"(e.g. {{'backend': 'inductor', 'dynamic': True}}), got {compile!r}"
+        )
+    known = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(str(k) for k in compile if k not in known)
+    if unknown:
+        raise TypeError(f"{where}: compile has keys torch.compile does not take: {unknown}; it takes {sorted(known)}")
+    return dict(compile)
+
+
+def compiled(fn, options: dict | None):
+    """fn compiled with torch.compile(**options); fn itself when options is None."""
+    return fn if options is None else torch.compile(fn, **options)
+
+
+def _under(callback, fn, *args, **kwargs):
+    # torch's checkpoint runs its function with dynamo off: put back the torch.compile that called
+    # the block, so that fn (the block's forward) is compiled as a frame of its own. Its graph is
+    # shared by every block of one class (the parameters are graph inputs).
+    prior = _set_callback(callback)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_callback(prior)
+
+
+@torch.compiler.disable
+def _eagerly(run, session, callback, explicit, fn, args, kwargs):
+    if callback is not None:
+        fn = functools.partial(_under, callback, fn)
+    if (callback is not None or explicit) and session is not None and session.defer_prefetch:
+        # A compiled body is one autograd node: there is no middle of its backward to start the
+        # reloads from (see Midpoints); they start when its backward starts.
+        session.defer_prefetch = False
+    return run(fn, args, kwargs)
+
+
+def eager_boundary(run, session=None, explicit: bool = False):
+    """A function boundary(fn, *args, **kwargs) -> run(fn', args, kwargs) that torch.compile never
+    traces: under a compiled caller (whole-model compile, block.compile(), torch.compile(block)),
+    the graph breaks at the call, `run` (checkpoint plus saved-tensor hooks) runs eagerly, and fn'
+    is fn compiled by that same caller as its own frame. Outside compiled code fn' is fn.
+
+    run(fn, args, kwargs) runs fn(*args, **kwargs) under checkpoint and session's hooks.
+    explicit: fn is itself compiled (enable_checkpointing(compile=...)).
+    """
+    if _current_callback is None:  # pragma: no cover - a torch without dynamo
+        return lambda fn, *args, **kwargs: run(fn, args, kwargs)
+
+    def boundary(fn, *args, **kwargs):
+        # Not traced itself (recursive=False keeps the caller's callback installed, to read it
+        # here); everything it calls runs inside _eagerly, which dynamo never enters.
+        return _eagerly(run, session, _current_callback(), explicit, fn, args, kwargs)
+
+    return torch.compiler.disable(boundary, recursive=False)
+
+
+def layer_checkpoint_function(session, keep=False, explicit=False, **checkpoint_kwargs):
+    """A `_gradient_checkpointing_func` for transformers layers that checkpoints through `session`,
+    as an eager boundary under torch.compile (plain checkpoint_function without a session)."""
+    func = checkpoint_function(session, keep, **checkpoint_kwargs)
+    if session is None:
+        return func
+    return eager_boundary(lambda fn, args, kwargs: func(fn, *args, **kwargs), session, explicit)
