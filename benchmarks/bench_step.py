@@ -298,10 +298,15 @@ def measure(model, ids, mode, ctx, a, cuda, timed=None):
     them: a reload that returned stale pool memory would then show in the gradients. The untimed
     steps start from an empty host pool: the reserved bytes reported are then this mode's own, not
     what the other modes left reserved."""
+    compiled = {}
     if timed is None:
         for _ in range(a.warmup):
-            train_step(model, ids, ctx)  # the first warm-up step fills the pool
+            train_step(model, ids, ctx)  # the first warm-up step fills the pool (and compiles)
+        warm = compile_counts() if a.compile else None
         timed = [one_timed_step(model, ids, ctx, cuda) for _ in range(a.steps)]
+        if a.compile:  # taken before the check and inspection steps, which run other inputs or modes
+            graphs, breaks = compile_counts()
+            compiled = dict(compiled_graphs=graphs, graph_breaks=breaks, graphs_compiled_in_timed_steps=graphs - warm[0])
     settle(cuda)
     ckpt_offload.host_pool().empty_cache()
     check_ids = torch.roll(ids, 1, dims=1) + 1 if ids.shape[1] > 1 else ids
@@ -310,10 +315,28 @@ def measure(model, ids, mode, ctx, a, cuda, timed=None):
     prof = profiled_step(model, ids, ctx, cuda)
     reserved = ckpt_offload.stats()["host_reserved_bytes"]
     return dict(mode=mode, seq=ids.shape[1], loss=float(ref[0]), **{**summarize_steps(timed), "host_reserved_bytes": reserved},
-                act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof), ref
+                act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof, **compiled), ref
+
+
+def compile_blocks(model, backend):
+    """--compile: every block compiled on its own (block.compile()), in every mode."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for block in model.layers:
+        block.compile(backend=backend)
+
+
+def compile_counts():
+    """(unique graphs, graph breaks) torch.compile has made since the last reset."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def measure_mode(model, ids, mode, a, cuda, timed=None):
+    if a.compile:
+        # Each mode compiles afresh, so its counts are its own (inductor's caches keep it quick).
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     ctx = apply_mode(model, mode, a)
     row, ref = measure(model, ids, mode, ctx, a, cuda, timed)
     row["offloaded_layers"] = offloaded_layers(model, mode)
@@ -570,6 +593,10 @@ def run_checks(rows, refs, base, bitwise_pairs, cuda, restored):
             problems.append(f"{r['mode']}@{r['seq']}: {r['error']}")
         if r.get("host_alloc_calls_timed"):
             problems.append(f"{r['mode']}@{r['seq']}: {r['host_alloc_calls_timed']} host allocations in timed steps")
+        if r.get("compiled_graphs") == 0:
+            problems.append(f"{r['mode']}@{r['seq']}: --compile made no graph (the blocks ran eagerly)")
+        if r.get("graphs_compiled_in_timed_steps"):
+            problems.append(f"{r['mode']}@{r['seq']}: {r['graphs_compiled_in_timed_steps']} recompiles in timed steps")
     if not restored:
         problems.append("disable_checkpointing did not restore the model exactly")
     return problems
@@ -1089,6 +1116,9 @@ def build_parser():
     p.add_argument("--hf", action="store_true",
                    help="compare transformers' checkpointing/offload instead (modes " + ", ".join(HF_MODES) + ")")
     p.add_argument("--hf-every", type=int, default=1, help="every_n_layers for the --hf comparison")
+    p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="every mode with every block compiled (block.compile(backend=BACKEND), default inductor), "
+                        "modes timed one after another; opt-in on the CPU, where compiling is slow")
     p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
     p.add_argument("--wide", action="store_true",
                    help="print every column (spread, H2D bytes, host pool, reload wait, copy throughput); the "
@@ -1116,6 +1146,8 @@ def parse_args(argv=None):
     unknown = set(a.mode_list) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    if a.compile and a.hf:
+        p.error("--compile applies to the decoder stack, not to --hf")
     a.torch_dtype = getattr(torch, a.dtype)
     a.elem = torch.finfo(a.torch_dtype).bits // 8
     if a.min_bytes is None:
@@ -1152,6 +1184,10 @@ def attn_supported():
 def run_main(a, device, cuda, bar, t0, result, write):
     torch.manual_seed(0)
     model = Decoder(a, device, a.torch_dtype).train()
+    if a.compile:
+        compile_blocks(model, a.compile)
+    # Same kernels, values only moved: bitwise, unless a code generator compiles each mode's graphs.
+    bitwise = BITWISE if a.compile in (None, "eager", "aot_eager") else {}
     rows, problems, restored = [], [], True
     link = result.setdefault("link", {})
     for seq in a.seq_list:
@@ -1162,7 +1198,10 @@ def run_main(a, device, cuda, bar, t0, result, write):
         spent = a.budget_s and time.monotonic() - t0 > a.budget_s
         runnable = [m for m in a.mode_list if not spent and not (m == "attn_offload" and not attn_supported())]
         bar.set_description(f"timed steps, seq={seq}")
-        timed, failed = interleaved_timing(runnable, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda, seq)
+        if a.compile:  # one mode after another (measure_mode), each from a reset, with its own counts
+            timed, failed = {m: None for m in runnable}, {}
+        else:
+            timed, failed = interleaved_timing(runnable, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda, seq)
         ckpt_offload.disable_checkpointing(model)
         model.layer_call = None
         for mode in a.mode_list:
@@ -1182,7 +1221,7 @@ def run_main(a, device, cuda, bar, t0, result, write):
                     restored = restored and restored_exactly(model)
             bar.update(1)
         problems += [f"seq {seq}: {p}" for p in run_checks([r for r in rows if r["seq"] == seq], refs, "none",
-                                                           BITWISE, cuda, restored)]
+                                                           bitwise, cuda, restored)]
         add_ratios(rows)
         mark_noise(rows)
         result.update(rows=rows)
@@ -1233,6 +1272,12 @@ def main(argv=None):
              else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
     print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title, wide=a.wide)
     print_lengths(result.get("lengths", []), a, cuda)
+    if a.compile:
+        print(f"\ntorch.compile ({a.compile}), every block: graphs / graph breaks / graphs compiled in timed steps")
+        for r in rows:
+            if "compiled_graphs" in r:
+                print(f"  {r['mode']:>20} @ {r['seq']}: {r['compiled_graphs']} / {r['graph_breaks']} / "
+                      f"{r['graphs_compiled_in_timed_steps']}")
     if "targets" in result:
         print_targets(result["targets"])
     print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
 # extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
-# runs under `timeout`; the stage limits add up to TOTAL_S (default 425 s, about 7 minutes).
+# runs under `timeout`; the stage limits add up to TOTAL_S (default 545 s, about 9 minutes), 120 s of
+# them for the step benchmark with every block compiled.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
-#              TOTAL_S (425), MAX_JOBS (nproc).
+#              TOTAL_S (545), MAX_JOBS (nproc).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -19,7 +20,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-8}
 SEQS=${SEQS:-4096,8192}
-TOTAL_S=${TOTAL_S:-425}
+TOTAL_S=${TOTAL_S:-545}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # Scripts run as `python benchmarks/x.py` see benchmarks/ first on sys.path; the repository root
 # makes an in-place build importable even where the editable install failed.
@@ -156,6 +157,15 @@ if step:
           else "INCOMPLETE: the script did not finish (see step.log)")
     if step.get("incomplete"):
         print(f"INCOMPLETE: {len(step['incomplete'])} mode runs skipped: " + "; ".join(step["incomplete"]))
+comp = load("step_compile/bench_step.json")
+if comp:
+    print(f"\ntraining step with every block compiled ({comp['config']['compile']}), {comp['config']['layers']} layers")
+    table(["mode", "seq", "ms", "peak GiB", "graphs", "breaks", "recompiled"],
+          [[r["mode"], r["seq"], f"{r['step_ms_median']:.1f}", gib(r["peak_device_bytes"]), r.get("compiled_graphs"),
+            r.get("graph_breaks"), r.get("graphs_compiled_in_timed_steps")] if "step_ms_median" in r
+           else [r["mode"], r["seq"], r.get("error") or r.get("skipped")] + [""] * 4 for r in comp["rows"]])
+    print("checks:", ("; ".join(comp["problems"]) or "passed") if "problems" in comp
+          else "INCOMPLETE: the script did not finish (see step_compile.log)")
 hf = load("hf/bench_step_hf.json")
 if hf:
     print("\ntransformers LlamaForCausalLM")
@@ -194,6 +204,9 @@ stage bandwidth 45 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
 # Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included.
 stage step 160 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 130 \
   --out "$OUT/step"
+# Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
+stage step_compile 120 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
+  --budget-s 100 --out "$OUT/step_compile"
 stage hf 35 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
 stage summary 10 summary
 cat "$OUT/summary.log"

@@ -120,7 +120,11 @@ def outputs(tmp_path_factory):
     script lays them out (step/, hf/, bandwidth/)."""
     out = tmp_path_factory.mktemp("gpu_check_out")
     runs = {"step": ["benchmarks/bench_step.py", "--config", "small"],
-            "bandwidth": ["benchmarks/bench_bandwidth.py"]}
+            "bandwidth": ["benchmarks/bench_bandwidth.py"],
+            # --compile at a CPU-friendly backend and a few modes (the GPU check runs all, with inductor)
+            "step_compile": ["benchmarks/bench_step.py", "--config", "small", "--compile", "aot_eager",
+                             "--modes", "none,full,async_offload,offload_activations", "--warmup", "1", "--steps", "2",
+                             "--lengths", "off"]}
     try:
         import transformers  # noqa: F401
         runs["hf"] = ["benchmarks/bench_step.py", "--hf", "--config", "small"]
@@ -152,6 +156,22 @@ def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
     assert {t["target"] for t in result["targets"]} >= {"async_offload time / full",
                                                         "host allocations after the first step"}
     assert "CPU timings" in result["timing"] and "targets" in p.stdout
+
+
+def test_bench_step_compile_keeps_every_mode_compiled(outputs):
+    out, procs = outputs
+    p = procs["step_compile"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(out / "step_compile" / "bench_step.json"))
+    assert result["problems"] == []  # bitwise pairs included: aot_eager runs the same kernels
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"none", "full", "async_offload", "offload_activations"}
+    for r in rows.values():
+        assert r["compiled_graphs"] >= 1 and r["graphs_compiled_in_timed_steps"] == 0, r
+    # Plain modes trace torch's checkpoint into the block's graph; offload breaks at its boundary.
+    assert rows["full"]["graph_breaks"] == rows["offload_activations"]["graph_breaks"] == 0
+    assert rows["async_offload"]["graph_breaks"] <= 2
+    assert rows["async_offload"]["bytes_offloaded_per_step"] == 3 * 2 * 64 * 64 * 4
 
 
 def test_bench_step_hf_runs_on_the_cpu(outputs):
@@ -187,6 +207,7 @@ def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
     assert "targets:" in p.stdout and "checks: passed" in p.stdout and "bandwidth checks: passed" in p.stdout
     if "hf" in procs:
         assert "transformers LlamaForCausalLM" in p.stdout
+    assert "every block compiled (aot_eager)" in p.stdout
 
 
 def test_record_results_files_a_run_with_its_summary(outputs, tmp_path):
