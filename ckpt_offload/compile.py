@@ -51,7 +51,6 @@ def _under(callback, fn, *args, **kwargs):
         _set_callback(prior)
 
 
-@torch.compiler.disable
 def _eagerly(run, session, callback, explicit, fn, args, kwargs):
     if callback is not None:
         fn = functools.partial(_under, callback, fn)
@@ -60,6 +59,13 @@ def _eagerly(run, session, callback, explicit, fn, args, kwargs):
         # reloads from (see Midpoints); they start when its backward starts.
         session.defer_prefetch = False
     return run(fn, args, kwargs)
+
+
+@functools.cache
+def _eagerly_disabled():
+    # Made on first use: torch.compiler.disable imports torch._dynamo (seconds), which torch's
+    # checkpoint imports anyway on its first call, but `import ckpt_offload` should not.
+    return torch.compiler.disable(_eagerly)
 
 
 def eager_boundary(run, session=None, explicit: bool = False):
@@ -74,10 +80,12 @@ def eager_boundary(run, session=None, explicit: bool = False):
     if _current_callback is None:  # pragma: no cover - a torch without dynamo
         return lambda fn, *args, **kwargs: run(fn, args, kwargs)
 
+    eagerly = _eagerly_disabled()
+
     def boundary(fn, *args, **kwargs):
         # Not traced itself (recursive=False keeps the caller's callback installed, to read it
         # here); everything it calls runs inside _eagerly, which dynamo never enters.
-        return _eagerly(run, session, _current_callback(), explicit, fn, args, kwargs)
+        return eagerly(run, session, _current_callback(), explicit, fn, args, kwargs)
 
     return torch.compiler.disable(boundary, recursive=False)
 

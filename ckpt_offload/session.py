@@ -146,7 +146,7 @@ class OffloadSession:
         self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
         self._module_ptrs: set = set()
-        self._module_hook = None
+        self._tracking = False  # noting the modules that run (offload_activations): see _track
         self._track_modules = track_modules
         # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
         # here and started from the middle of that backward, not from its start.
@@ -429,13 +429,13 @@ class OffloadSession:
         self.new_forward()
         if self._track_modules:
             _track(self)
-            self._module_hook = True
+            self._tracking = True
 
     def end(self):
         """Closes a forward: the keep-last queue stays on the device, finished copies free sources."""
-        if self._module_hook is not None:
+        if self._tracking:
             _untrack(self)
-            self._module_hook = None
+            self._tracking = False
         self._module_ptrs = set()
         self._deferred = []
         self.poll()

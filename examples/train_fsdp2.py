@@ -90,6 +90,8 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--every-n-layers", type=int, default=2, help="checkpoint (and offload) every n-th block")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="offload the checkpointed blocks' inputs (--no-offload: plain checkpointing, to compare)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     hidden = args.hidden or (1024 if cuda else 64)
@@ -117,7 +119,7 @@ def main():
     # offload stay eager around the compiled forward), the others with block.compile().
     compile_options = {"backend": args.backend}
     checkpointed = ckpt_offload.enable_checkpointing(
-        model, every_n_layers=args.every_n_layers, offload=True, compile=compile_options
+        model, every_n_layers=args.every_n_layers, offload=args.offload, compile=compile_options
     )
     for i, layer in enumerate(model.layers):
         if i not in checkpointed:

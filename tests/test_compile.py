@@ -363,6 +363,27 @@ def test_hf_enable_then_whole_model_compile():
         torch.testing.assert_close(grads[k], plain_grads[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_compile_option_on_transformers_layers():
+    """enable_checkpointing(compile=...) on transformers layers (which checkpoint through their own
+    forward wrapper): only the layers compile; one break each, at the boundary; eager's bytes."""
+    model = _tiny_llama()
+    ckpt_offload.enable_checkpointing(model, offload=True)
+    eager, eager_grads = _hf_train(model, model)
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _tiny_llama()
+    ckpt_offload.enable_checkpointing(model, offload=True, compile={"backend": "aot_eager"})
+    seen, grads = _hf_train(model, model)
+    _boundary_breaks_only()
+    graphs = [g for _, g, _ in seen]
+    assert graphs[0] >= 1 and graphs[0] == graphs[1] == graphs[2] and graphs[3] == graphs[4]
+    assert 1 <= sum(seen[-1][0].values()) <= 2 * 2 * 4
+    assert [b for _, _, b in seen] == [b for _, _, b in eager]
+    for k in grads:
+        torch.testing.assert_close(grads[k], eager_grads[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_trainer_torch_compile_with_offload_callback(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
     from torch.utils.data import Dataset
