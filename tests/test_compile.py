@@ -178,10 +178,10 @@ def _check_pattern(pattern, backend):
     _boundary_breaks_only()
     # At most 2 breaks per checkpointed block, counted over both compiles (static and dynamic).
     assert breaks[-1] <= 2 * 2 * LAYERS
-    # The blocks' bodies compiled: at least one graph, for every block (a block run eagerly would
-    # make no graph, and plain checkpointing compiles the same bodies into ref's graphs).
+    # The blocks' bodies compiled: as many graphs, step by step, as plain checkpointing around the
+    # same compiled bodies (a block run eagerly would make none).
     assert graphs[0] >= 1
-    assert graphs[0] >= ref_seen[0][1]
+    assert graphs == [g for _, g, _ in ref_seen]
     # No recompilation after the second step at one shape; one for the second length (its shapes
     # become dynamic), none for the third.
     assert graphs[0] == graphs[1] == graphs[2]
@@ -229,9 +229,10 @@ def test_plain_checkpointing_counts_for_comparison():
     model = make()
     seen, grads = _train(model, _whole(model, "aot_eager", offload=True))
     _boundary_breaks_only()
-    graphs = seen[0][1]
-    # The input layer, the shared block body, the head: the body's graph serves all 4 blocks.
-    assert 1 <= graphs <= 3
+    # One graph: the blocks' body, shared by all 4. The model's forward, whose loop over the blocks
+    # breaks at each boundary, runs eagerly (torch skips a frame with a break inside a loop), and
+    # its input and head layers are torch.nn modules, which torch.compile does not trace on their own.
+    assert seen[0][1] == 1
     for k in grads:
         torch.testing.assert_close(grads[k], plain_grads[k], rtol=1e-5, atol=1e-6, msg=k)
 
