@@ -211,7 +211,9 @@ def enable_checkpointing(
     else:
         for i in checkpointed:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i], options))
-    hooks = session.attach(model, [blocks[i] for i in checkpointed], midpoints=options is None) if session is not None else []
+    hooks = []
+    if session is not None:  # compiled bodies have no midpoint (see ckpt_offload.compile)
+        hooks = session.attach(model, [blocks[i] for i in checkpointed], midpoints=options is None)
     if numbering is not None:
         checkpointed = [numbering[i] for i in checkpointed]
         offloaded = [numbering[i] for i in offloaded]

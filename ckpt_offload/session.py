@@ -449,8 +449,9 @@ class OffloadSession:
         of `blocks` when they allow it (see Midpoints) and midpoints is True.
         """
         # Eager under torch.compile: a graph break at the model's first and last op, not inside it.
+        exclude = torch.compiler.disable(lambda module, args: self.exclude_module_tensors(module))
         handles = [
-            model.register_forward_pre_hook(torch.compiler.disable(lambda module, args: self.exclude_module_tensors(module))),
+            model.register_forward_pre_hook(exclude),
             model.register_forward_hook(torch.compiler.disable(lambda *_: self.poll())),
         ]
         if midpoints and Midpoints.usable(blocks):
