@@ -38,6 +38,8 @@ else:  # no selective checkpointing in this torch: nothing below is reached (req
 # Ops run a different number of times in forward and recompute (checkpoint's own detaches): never cached.
 _IGNORED = frozenset(getattr(_tuc, "SAC_IGNORED_OPS", ())) | {torch.ops.aten.detach.default}
 _storage_key = getattr(_tuc, "_sac_storage_key", None)
+# torch 2.14 hands the policy the op's output (ctx.op_output); 2.11's context has only is_recompute.
+_CONTEXT_HAS_OUTPUT = _Context is not None and "op_output" in inspect.signature(_Context.__init__).parameters
 _CONSUMED = object()
 
 
@@ -256,7 +258,8 @@ class _Caching(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _IGNORED:
             return out
-        policy = self.policy_fn(_Context(is_recompute=False, op_output=out), func, *args, **kwargs)
+        ctx = _Context(is_recompute=False, op_output=out) if _CONTEXT_HAS_OUTPUT else _Context(is_recompute=False)
+        policy = self.policy_fn(ctx, func, *args, **kwargs)
         if isinstance(policy, bool):
             policy = _Policy.MUST_SAVE if policy else _Policy.PREFER_RECOMPUTE
         if policy in _RECOMPUTE:
