@@ -4,6 +4,7 @@ ckpt_offload._C and bring them back ahead of need in backward.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -79,6 +80,30 @@ def _attach(packed, rec, counter, view):
     packed.kept = None
 
 
+@functools.cache
+def _autograd_strips_backward() -> bool:
+    """Whether this torch's own in-place error names a node by its forward operation ("of Add", torch
+    2.14) or by the node itself ("of AddBackward0", torch 2.11). Asked of autograd once, with a
+    two-op graph that makes the mistake, on a thread of its own: saved-tensor hooks (which switch
+    the check off), grad mode and dispatch modes are per thread, and that thread has none."""
+    found = []
+
+    def probe():
+        x = torch.zeros(1, requires_grad=True)
+        y = x + 1
+        z = y * y
+        y.add_(1)
+        try:
+            z.backward()
+        except RuntimeError as err:
+            found.append("AddBackward0" not in str(err))
+
+    thread = threading.Thread(target=probe, name="ckpt_offload-probe")
+    thread.start()
+    thread.join()
+    return found[0] if found else True
+
+
 def _modified_error(packed, now):
     """autograd's own in-place error, word for word: saved-tensor hooks switch its check off, so
     unpack redoes it. An offloaded tensor is described by its copy (dtype, shape, device); the
@@ -94,8 +119,10 @@ def _modified_error(packed, now):
         t = packed.source() if packed.source is not None else None
     origin = ""
     if t is not None and t.grad_fn is not None:
-        # autograd names the node by its forward operation: MulBackward0 -> Mul, MyFnBackward -> MyFn.
-        origin = f", which is output {t.output_nr} of {re.sub(r'Backward[0-9]*$', '', t.grad_fn.name())},"
+        name = t.grad_fn.name()
+        if _autograd_strips_backward():  # MulBackward0 -> Mul, MyFnBackward -> MyFn
+            name = re.sub(r"Backward[0-9]*$", "", name)
+        origin = f", which is output {t.output_nr} of {name},"
     if torch.is_anomaly_enabled():
         hint = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. "
                 "The variable in question was changed in there or anywhere later. Good luck!")
