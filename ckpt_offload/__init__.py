@@ -11,8 +11,9 @@ from .checkpointing import checkpoint  # noqa: E402
 from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
 from .activations import offload_activations  # noqa: E402
 from .session import OffloadSession  # noqa: E402
-from .model import checkpointing_state, disable_checkpointing, enable_checkpointing, find_repeated_blocks  # noqa: E402
+from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
 from .reserve import reserve_for  # noqa: E402
+from .planner import MemoryPlan, plan_memory  # noqa: E402
 
 HostPool = _C.HostPool
 HostBlock = _C.HostBlock
@@ -33,6 +34,9 @@ def build_info():
 __all__ = [
     "checkpoint",
     "enable_checkpointing",
+    "enable_block_modes",
+    "plan_memory",
+    "MemoryPlan",
     "disable_checkpointing",
     "checkpointing_state",
     "find_repeated_blocks",

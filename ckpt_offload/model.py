@@ -243,6 +243,96 @@ def _check_indices(layers, count):
     return sorted(layers)
 
 
+BLOCK_MODES = ("none", "offload", "checkpoint", "checkpoint+offload")
+
+
+def _wrap_offload(module: nn.Module, session):
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        with session.hooks():
+            return original(*args, **kwargs)
+
+    return forward
+
+
+def _offload_function(session):
+    """A `_gradient_checkpointing_func` that does not checkpoint: the layer runs under session's hooks."""
+
+    def func(function, *args):
+        with session.hooks():
+            return function(*args)
+
+    return func
+
+
+def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_bytes: int | None = None,
+                       layers=None) -> list[str]:
+    """One mode per repeated block (find_repeated_blocks order, or `layers`), as plan_memory chooses:
+
+    "none"; "checkpoint"; "checkpoint+offload" (its inputs in pinned host memory between forward and
+    backward, as enable_checkpointing(offload=True) does, prefetch / prefetch_bytes ahead of need);
+    "offload" (no recompute: every tensor the block saves goes to the host, as offload_activations
+    does, and comes back when the block's backward starts). disable_checkpointing undoes it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_block_modes: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_int("enable_block_modes", "prefetch", prefetch, 0)
+    if prefetch_bytes is not None:
+        _check_int("enable_block_modes", "prefetch_bytes", prefetch_bytes, 1)
+    blocks = find_repeated_blocks(model) if layers is None else list(layers)
+    modes = list(modes)
+    if not blocks or len(modes) != len(blocks):
+        raise ValueError(
+            f"enable_block_modes: {len(modes)} modes for {len(blocks)} repeated blocks of {type(model).__name__}; "
+            "pass one mode per block (find_repeated_blocks order), or layers=[...]"
+        )
+    for i, m in enumerate(modes):
+        if m not in BLOCK_MODES:
+            raise ValueError(f"enable_block_modes: modes[{i}] is {m!r}; choose from {BLOCK_MODES}")
+    disable_checkpointing(model)
+    checkpointed = [i for i, m in enumerate(modes) if m.startswith("checkpoint")]
+    ckpt_offloaded = [i for i, m in enumerate(modes) if m == "checkpoint+offload"]
+    plain_offloaded = [i for i, m in enumerate(modes) if m == "offload"]
+    # Two sessions: the checkpointed blocks' reloads start mid-backward of the block above (Midpoints,
+    # counted in layers); an "offload" block's tensors come back when its own backward starts.
+    session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if ckpt_offloaded else None
+    whole = OffloadSession(prefetch=1) if plain_offloaded else None
+    gc_cls = _gc_layer_class()
+    hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
+    saved = []
+    if hf_layers and (checkpointed or plain_offloaded):
+        for m in model.modules():
+            if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
+                _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
+    for i in checkpointed:
+        keep = i not in ckpt_offloaded
+        if hf_layers:
+            _set(saved, blocks[i], "gradient_checkpointing", True)
+            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, keep))
+        else:
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, keep))
+    for i in plain_offloaded:
+        if hf_layers:
+            _set(saved, blocks[i], "gradient_checkpointing", True)
+            _set(saved, blocks[i], "_gradient_checkpointing_func", _offload_function(whole))
+        else:
+            _set(saved, blocks[i], "forward", _wrap_offload(blocks[i], whole))
+    hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
+    if whole is not None:
+        hooks += [
+            model.register_forward_pre_hook(lambda module, args: whole.exclude_module_tensors(module)),
+            model.register_forward_hook(lambda *_: whole.poll()),
+        ]
+    state = _State(blocks, checkpointed, sorted(ckpt_offloaded + plain_offloaded), session, saved, hooks)
+    state.modes = modes
+    setattr(model, _STATE_ATTR, state)
+    return modes
+
+
 def disable_checkpointing(model: nn.Module) -> None:
     """Undoes enable_checkpointing: the blocks' own forward back, no hooks left. No-op if not enabled."""
     if not isinstance(model, nn.Module):

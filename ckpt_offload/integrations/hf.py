@@ -82,7 +82,8 @@ def training_args_checkpointing(args):
 
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
-           prefetch_bytes=None, policy=None, **checkpoint_kwargs) -> list[int]:
+           prefetch_bytes=None, policy=None, *, budget_bytes=None, example_inputs=None, loss_fn=None,
+           host_budget_bytes=None, **checkpoint_kwargs):
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
     through the async engine (the last keep_last checkpointed layers stay on the device).
@@ -90,9 +91,14 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     policy: selective checkpointing inside the layers, as for enable_checkpointing ("attention":
     the outputs of scaled-dot-product attention, transformers' default, offloaded with the layer).
     Returns the 0-based indices of the checkpointed GradientCheckpointingLayer modules.
+
+    With budget_bytes: ckpt_offload.plan_memory(model, example_inputs, budget_bytes, loss_fn=...,
+    host_budget_bytes=...) chooses a mode per layer instead, and the plan is applied and returned.
     """
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"hf.enable: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if budget_bytes is not None:
+        return _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs)
     _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
     _check_int("hf.enable", "keep_last", keep_last, 0)
     _check_int("hf.enable", "prefetch", prefetch, 0)
@@ -139,8 +145,30 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     return checkpointed
 
 
+def _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs):
+    from ..model import disable_checkpointing
+    from ..planner import plan_memory
+
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            "hf.enable: budget_bytes needs example_inputs, a tuple of the model's positional arguments (input_ids,), "
+            f"got {type(example_inputs).__name__}"
+        )
+    if checkpoint_kwargs:
+        raise TypeError(f"hf.enable: budget_bytes takes no checkpoint keywords, got {sorted(checkpoint_kwargs)}")
+    checkpointing_disable(model)
+    _forget(model)
+    disable_checkpointing(model)
+    plan = plan_memory(model, example_inputs, budget_bytes, loss_fn=loss_fn, host_budget_bytes=host_budget_bytes)
+    plan.apply(model)
+    return plan
+
+
 def disable(model) -> None:
-    """transformers' own checkpointing off, and forgets the offload settings."""
+    """transformers' own checkpointing off, and forgets the offload settings (and a plan's modes)."""
+    from ..model import disable_checkpointing
+
+    disable_checkpointing(model)
     checkpointing_disable(model)
     _forget(model)
 

@@ -1,0 +1,555 @@
+"""plan_memory: profiles a model's repeated blocks on one batch and chooses, per block, between keeping,
+offloading, checkpointing and checkpointing with offload: the fastest predicted step whose predicted
+peak fits a device-memory budget. MemoryPlan holds the choice, its predictions and its per-block table.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+
+from . import engine as _engine
+from .midpoints import _in_backward
+from .session import test_cpu_enabled
+from .model import BLOCK_MODES, disable_checkpointing, enable_block_modes, find_repeated_blocks
+
+# Modes whose blocks are checkpointed (recomputed in backward), and those whose saved bytes live on the host.
+_CHECKPOINTED = {"checkpoint", "checkpoint+offload"}
+_OFFLOADED = {"offload", "checkpoint+offload"}
+# Exhaustive search up to this many assignments; beyond it, a local search from the uniform ones.
+_EXHAUSTIVE_LIMIT = 1 << 16
+
+
+def _default_loss(out):
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if not isinstance(out, torch.Tensor):
+        if hasattr(out, "to_tuple"):  # a transformers ModelOutput without a loss: its logits
+            out = out.to_tuple()
+        out = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return out.float().square().mean()
+
+
+def _first_grad_tensor(obj):
+    for t in torch.utils._pytree.tree_leaves(obj):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    return None
+
+
+class _Probe:
+    """Live device bytes, the peak since the last mark, and the time at marks during one step:
+    torch.cuda's allocator figures and CUDA events on a GPU, LiveBytes and perf_counter on the CPU."""
+
+    def __init__(self, device, live):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.live = live
+        self.marks = {}  # name -> (bytes live, peak since the previous mark, time)
+
+    def level(self):
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self.live.current()
+
+    def mark(self, name):
+        if self.cuda:
+            now = torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            t = torch.cuda.Event(enable_timing=True)
+            t.record()
+        else:
+            now = peak = 0
+            if self.live is not None:
+                now = self.live.current()
+                peak = max(self.live.peak, now)
+                self.live.peak = now
+            t = time.perf_counter()
+        # Bytes sent to the host so far, in the forward only (stats() would perturb the backward's timing).
+        sent = _engine.stats()["bytes_offloaded"] if name.startswith("f") else 0
+        self.marks[name] = (now, peak, t, sent)
+
+    def elapsed_ms(self, a, b):
+        ta, tb = self.marks[a][2], self.marks[b][2]
+        return ta.elapsed_time(tb) if self.cuda else (tb - ta) * 1e3
+
+
+def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=True):
+    """One forward and backward with marks at each block boundary. Returns the probe. On the CPU,
+    track_memory=False leaves LiveBytes out (its per-op bookkeeping would dwarf the compute)."""
+    from .testing import LiveBytes
+
+    cuda = device.type == "cuda"
+    n = len(blocks)
+    handles = []
+    live = LiveBytes() if not cuda and track_memory else None
+    probe = _Probe(device, live)
+
+    def grad_mark(name):
+        def hook(grad):
+            probe.mark(name)
+
+        return hook
+
+    def pre(i):
+        def hook(module, args, kwargs=None):
+            if _in_backward() or not torch.is_grad_enabled():
+                return
+            probe.mark(f"f{i}")
+            x = _first_grad_tensor(args)
+            if x is not None:
+                x.register_hook(grad_mark(f"b{i}"))
+
+        return hook
+
+    def post(module, args, out):
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        probe.mark(f"f{n}")
+        y = _first_grad_tensor(out)
+        if y is not None:
+            y.register_hook(grad_mark(f"b{n}"))
+
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(pre(i)))
+    handles.append(blocks[-1].register_forward_hook(post))
+    try:
+        model.zero_grad(set_to_none=False)
+        if cuda:
+            torch.cuda.synchronize(device)
+        _engine.synchronize()
+        ctx = live if live is not None else _Nothing()
+        with ctx:
+            if live is not None:
+                live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),
+                          *(t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))])
+            elif cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            probe.mark("start")
+            loss = loss_fn(model(*example_inputs))
+            probe.mark("fwd_end")
+            loss.backward()
+            del loss
+            probe.mark("end")
+        if cuda:
+            torch.cuda.synchronize(device)
+        _engine.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [k for k in [f"b{i}" for i in range(n + 1)] + [f"f{i}" for i in range(n + 1)] if k not in probe.marks]
+    if missing:
+        raise ValueError(
+            f"plan_memory: the repeated blocks' hidden states carry no gradient at {missing}; each block must take "
+            "the tensor that flows from block to block as its first positional argument and return it"
+        )
+    return probe
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class CostModel:
+    """Per-block, per-mode figures measured by plan_memory's profile, and the predictions composed from them.
+
+    Memory (bytes): kept[m][i] what block i holds on the device from its forward to its backward;
+    bwd_excess[m][i] how far its backward rises above the level where it starts; fwd_excess[m][i]
+    the same for its forward; host[m][i] the bytes it sends to the host. Time (ms): fwd_ms /
+    bwd_ms per block, compute only (copies are modelled from d2h/h2d_gb_per_s); the parts outside
+    the blocks in `outside`.
+    """
+
+    FIELDS = ("n", "modes", "kept", "bwd_excess", "fwd_excess", "host", "fwd_ms", "bwd_ms", "outside",
+              "d2h_gb_per_s", "h2d_gb_per_s", "synchronous_copies")
+
+    def __init__(self, **kw):
+        for k in self.FIELDS:
+            setattr(self, k, kw[k])
+
+    def to_dict(self):
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def _reload_trigger(self, modes):
+        """u[j]: for an offloaded block j, the block above it whose backward starts j's reload
+        (prefetch=1): for checkpoint+offload the nearest checkpointed block, from its midpoint; for
+        offload the nearest offload block, when it unpacks its last tensor. None: on demand."""
+        u = [None] * self.n
+        above = {"checkpoint+offload": None, "offload": None}
+        for i in range(self.n - 1, -1, -1):
+            m = modes[i]
+            if m in above:
+                u[i] = above[m]
+            if m in _CHECKPOINTED:
+                above["checkpoint+offload"] = i
+            if m == "offload":
+                above["offload"] = i
+        return u
+
+    def peak(self, modes):
+        """Predicted peak device bytes of a step with one mode per block."""
+        o = self.outside
+        u = self._reload_trigger(modes)
+        kept = [self.kept[m][i] for i, m in enumerate(modes)]
+        shift = sum(kept) - o["kept_none"]
+        peaks = [o["fwd_pre_peak"], o["fwd_head_peak"] + shift, o["bwd_head_peak"] + shift, o["bwd_pre_peak"]]
+        level_fwd = o["fwd_level"]
+        for i, m in enumerate(modes):
+            peaks.append(level_fwd + self.fwd_excess[m][i])
+            level_fwd += kept[i]
+        below = 0  # bytes of earlier blocks still held when block i's backward starts
+        for i, m in enumerate(modes):
+            # Reloads on the device over block i's backward: its own (prefetched or fetched on
+            # demand), and those of offloaded blocks below it that a block above it started.
+            inflight = sum(self.host[modes[j]][j] for j in range(i + 1)
+                           if modes[j] in _OFFLOADED and (j == i or (u[j] is not None and u[j] > i)))
+            excess = self.bwd_excess[m][i]
+            if m == "checkpoint" and any(uj == i and modes[j] == "checkpoint+offload" for j, uj in enumerate(u)):
+                # A reload started from this block's midpoint, as measured where every block offloads.
+                if "checkpoint+offload" in self.bwd_excess:
+                    excess = max(excess, self.bwd_excess["checkpoint+offload"][i])
+            peaks.append(o["bwd_level"] + below + kept[i] + inflight + excess)
+            below += kept[i]
+        return int(max(peaks))
+
+    def host_bytes(self, modes):
+        return int(sum(self.host[m][i] for i, m in enumerate(modes)))
+
+    def step_ms(self, modes):
+        """Predicted step time. Copies run on the engine's streams beside the compute (GPU) or in
+        line with it (synchronous host copies on the CPU test path)."""
+        o = self.outside
+        d2h_ms = [self.host[m][i] / (self.d2h_gb_per_s * 1e6) if m in _OFFLOADED else 0.0 for i, m in enumerate(modes)]
+        h2d_ms = [self.host[m][i] / (self.h2d_gb_per_s * 1e6) if m in _OFFLOADED else 0.0 for i, m in enumerate(modes)]
+        if self.synchronous_copies:
+            return (o["fwd_pre_ms"] + o["fwd_head_ms"] + o["bwd_head_ms"] + o["bwd_pre_ms"]
+                    + sum(self.fwd_ms[m][i] + self.bwd_ms[m][i] + d2h_ms[i] + h2d_ms[i] for i, m in enumerate(modes)))
+        c = o["fwd_pre_ms"]
+        d2h_free = 0.0
+        for i, m in enumerate(modes):
+            if m in _OFFLOADED:
+                # A checkpoint's input is saved as it starts; a whole block's tensors through its forward.
+                start = c if m == "checkpoint+offload" else c + self.fwd_ms[m][i] / 2
+                d2h_free = max(d2h_free, start) + d2h_ms[i]
+            c += self.fwd_ms[m][i]
+        # The end of the forward returns the sources to the allocator after their copies.
+        c = max(c + o["fwd_head_ms"], d2h_free) + o["bwd_head_ms"]
+        u = self._reload_trigger(modes)
+        trigger = [None] * self.n
+        h2d_free = c
+        for i in range(self.n - 1, -1, -1):
+            m = modes[i]
+            start = c
+            if m == "checkpoint+offload":
+                began = max(h2d_free, trigger[i] if trigger[i] is not None else start)
+                h2d_free = began + h2d_ms[i]
+                start = max(start, h2d_free)
+                end = start + self.bwd_ms[m][i]
+            elif m == "offload":
+                # Its tensors come back in the order backward uses them: the block waits for the last.
+                began = max(h2d_free, trigger[i] if trigger[i] is not None else start)
+                h2d_free = began + h2d_ms[i]
+                end = max(start + self.bwd_ms[m][i], h2d_free)
+            else:
+                end = start + self.bwd_ms[m][i]
+            for j in range(i):
+                if u[j] == i:
+                    trigger[j] = start + self.bwd_ms[m][i] / 2 if modes[j] == "checkpoint+offload" else end
+            c = end
+        return c + o["bwd_pre_ms"]
+
+    def predict(self, modes):
+        """(peak bytes, step ms, host bytes) of one mode per block."""
+        modes = list(modes)
+        if len(modes) != self.n or any(m not in self.kept for m in modes):
+            raise ValueError(f"CostModel.predict: need {self.n} modes from {sorted(self.kept)}, got {modes}")
+        return self.peak(modes), self.step_ms(modes), self.host_bytes(modes)
+
+
+def uniform_modes(n, every_n, offload, keep_last=1):
+    """The modes enable_checkpointing(every_n_layers=every_n, offload=offload, keep_last=keep_last) sets."""
+    ck = [i for i in range(n) if i % every_n == 0]
+    off = set(ck[: len(ck) - keep_last]) if offload else set()
+    return ["none" if i not in ck else "checkpoint+offload" if i in off else "checkpoint" for i in range(n)]
+
+
+def uniform_configs(n):
+    """{name: modes} of every_n in {1, 2, 4}, offload on and off (keep_last=1), and no checkpointing."""
+    out = {"none": ["none"] * n}
+    for every in (1, 2, 4):
+        for off in (False, True):
+            out[f"every{every}" + ("_offload" if off else "")] = uniform_modes(n, every, off)
+    return out
+
+
+def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -> CostModel:
+    """Measures the CostModel of `model` on `example_inputs`: two steps per mode (a warm-up, then one
+    with marks at every block boundary). Leaves every parameter's .grad allocated and zeroed."""
+    blocks = find_repeated_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"plan_memory: no repeated blocks found in {type(model).__name__}: searched for transformers "
+            "GradientCheckpointingLayer modules and for runs of at least two same-class modules in an "
+            "nn.ModuleList or nn.Sequential"
+        )
+    n = len(blocks)
+    loss_fn = loss_fn or _default_loss
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    modes = ["none"] + [m for m in modes if m != "none"]
+    need = set(modes)
+    if "checkpoint+offload" in need:
+        need.add("checkpoint")  # its compute time is the checkpoint's
+    runs = [m for m in BLOCK_MODES if m in need]
+    probes, timed = {}, {}
+    rates = []
+    disable_checkpointing(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for k, m in enumerate(runs):
+            if verbose:
+                print(f"plan_memory: profiling mode {m!r} ({k + 1}/{len(runs)}) on {n} blocks", file=sys.stderr, flush=True)
+            if m != "none":
+                enable_block_modes(model, [m] * n, layers=blocks)
+            try:
+                loss = loss_fn(model(*example_inputs))  # warm-up: gradients allocated, pool filled, midpoints learned
+                loss.backward()
+                del loss
+                _engine.reset_stats()
+                _engine.profile(m in _OFFLOADED)
+                try:
+                    probes[m] = _measured_step(model, blocks, example_inputs, loss_fn, device)
+                finally:
+                    _engine.profile(False)
+                if device.type != "cuda":  # times from a step without the memory bookkeeping
+                    timed[m] = _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=False)
+                if m in _OFFLOADED:
+                    s = _engine.stats()
+                    rates.append((s["d2h_gb_per_s"], s["h2d_gb_per_s"]))
+            finally:
+                disable_checkpointing(model)
+    model.zero_grad(set_to_none=False)
+    return _compose(probes, timed or probes, n, rates, device)
+
+
+def _compose(probes, timed, n, rates, device):
+    kept, bwd_excess, fwd_excess, host, fwd_ms, bwd_ms = {}, {}, {}, {}, {}, {}
+    for m, p in probes.items():
+        mk = p.marks
+        b = [mk[f"b{i}"][0] for i in range(n + 1)]
+        seg_peak = [mk[f"b{i}"][1] for i in range(n)]  # the peak of block i's backward, recorded at b_i
+        f = [mk[f"f{i}"][0] for i in range(n + 1)]
+        h = [mk[f"f{i + 1}"][3] - mk[f"f{i}"][3] for i in range(n)]
+        if m not in _OFFLOADED:
+            h = [0] * n
+        # Every block offloaded: block i's bytes are back on the device where its backward starts
+        # (reloaded from inside block i+1's), except the top one's, fetched inside its own backward.
+        own = [h[i] if m in _OFFLOADED and i < n - 1 else 0 for i in range(n)]
+        kept[m] = [b[i + 1] - b[i] - own[i] + (own[i - 1] if i > 0 else 0) for i in range(n)]
+        bwd_excess[m] = [seg_peak[i] - (b[i + 1] - own[i]) for i in range(n)]
+        if m in _OFFLOADED:
+            bwd_excess[m] = [e - h[i] for i, e in enumerate(bwd_excess[m])]  # the own reload is counted apart
+        fwd_excess[m] = [mk[f"f{i + 1}"][1] - f[i] for i in range(n)]
+        host[m] = h
+        t = timed[m]
+        fwd_ms[m] = [t.elapsed_ms(f"f{i}", f"f{i + 1}") for i in range(n)]
+        bwd_ms[m] = [t.elapsed_ms(f"b{i + 1}", f"b{i}") for i in range(n)]
+    none = probes["none"].marks
+    pn = timed["none"]
+    outside = dict(
+        kept_none=sum(kept["none"]),
+        fwd_pre_peak=none["f0"][1],
+        fwd_level=none["f0"][0],
+        fwd_head_peak=none["fwd_end"][1],
+        bwd_head_peak=none[f"b{n}"][1],
+        bwd_level=none["b0"][0],
+        bwd_pre_peak=none["end"][1],
+        fwd_pre_ms=pn.elapsed_ms("start", "f0"),
+        fwd_head_ms=pn.elapsed_ms(f"f{n}", "fwd_end"),
+        bwd_head_ms=pn.elapsed_ms("fwd_end", f"b{n}"),
+        bwd_pre_ms=pn.elapsed_ms("b0", "end"),
+    )
+    # Copies are modelled from the engine's throughput; compute from the runs without copies.
+    if "offload" in probes:
+        fwd_ms["offload"], bwd_ms["offload"] = fwd_ms["none"], bwd_ms["none"]
+    if "checkpoint+offload" in probes:
+        fwd_ms["checkpoint+offload"], bwd_ms["checkpoint+offload"] = fwd_ms["checkpoint"], bwd_ms["checkpoint"]
+    modes = [m for m in BLOCK_MODES if m in probes]
+    measured = [(d, h) for d, h in rates if d and h]
+    d2h = min(d for d, _ in measured) if measured else 1.0
+    h2d = min(h for _, h in measured) if measured else 1.0
+    # probes[...] also ran the helper mode "checkpoint" when only checkpoint+offload was asked for.
+    return CostModel(n=n, modes=modes, kept=kept, bwd_excess=bwd_excess, fwd_excess=fwd_excess, host=host,
+                     fwd_ms=fwd_ms, bwd_ms=bwd_ms, outside=outside, d2h_gb_per_s=d2h, h2d_gb_per_s=h2d,
+                     synchronous_copies=device.type != "cuda")
+
+
+def search(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None):
+    """The assignment with the lowest predicted step time whose predicted peak is <= budget_bytes and host
+    bytes <= host_budget_bytes: every assignment when there are at most 65536, else a local search
+    (single-block changes) from the uniform configurations, so never slower than the best uniform one."""
+    modes = list(modes or cost.modes)
+    n = cost.n
+    best = None
+    smallest = None  # (peak, modes) of the lowest predicted peak within the host budget
+
+    def consider(assign):
+        nonlocal best, smallest
+        peak, ms, hb = cost.predict(assign)
+        if host_budget_bytes is not None and hb > host_budget_bytes:
+            return None
+        if smallest is None or peak < smallest[0]:
+            smallest = (peak, list(assign))
+        if peak <= budget_bytes and (best is None or ms < best[1]):
+            best = (list(assign), ms, peak, hb)
+        return peak, ms
+
+    if len(modes) ** n <= _EXHAUSTIVE_LIMIT:
+        for assign in itertools.product(modes, repeat=n):
+            consider(assign)
+    else:
+        seeds = [v for v in uniform_configs(n).values() if set(v) <= set(modes)] + [[m] * n for m in modes]
+        for seed in seeds:
+            cur = list(seed)
+            score = _score(consider(cur), budget_bytes)
+            improved = True
+            while improved:
+                improved = False
+                for i in range(n):
+                    for m in modes:
+                        if m == cur[i]:
+                            continue
+                        cand = cur[:i] + [m] + cur[i + 1:]
+                        s = _score(consider(cand), budget_bytes)
+                        if s < score:
+                            cur, score, improved = cand, s, True
+    return best, smallest
+
+
+def _score(result, budget):
+    if result is None:
+        return (2, 0.0, 0.0)
+    peak, ms = result
+    return (0, ms, peak) if peak <= budget else (1, peak, ms)
+
+
+class MemoryPlan:
+    """One mode per repeated block (forward order) and what the cost model predicts for it."""
+
+    def __init__(self, modes, predicted_peak_bytes, predicted_step_ms, predicted_host_bytes, budget_bytes=None,
+                 rows=None, cost_model=None):
+        self.modes = list(modes)
+        self.predicted_peak_bytes = int(predicted_peak_bytes)
+        self.predicted_step_ms = float(predicted_step_ms)
+        self.predicted_host_bytes = int(predicted_host_bytes)
+        self.budget_bytes = budget_bytes
+        self.rows = rows or []  # per block: mode, device_bytes, host_bytes, ms
+        self.cost_model = cost_model  # None for a plan read back with from_json
+
+    def apply(self, model: nn.Module) -> list[str]:
+        """Configures model with this plan's modes (ckpt_offload.disable_checkpointing undoes it)."""
+        return enable_block_modes(model, self.modes)
+
+    def table(self) -> str:
+        """Per block: the mode, device bytes it holds between forward and backward, host bytes, and time."""
+        lines = [f"{'block':>5}  {'mode':<18} {'device MiB':>10} {'host MiB':>9} {'ms':>8}"]
+        for i, r in enumerate(self.rows):
+            lines.append(f"{i:>5}  {r['mode']:<18} {r['device_bytes'] / 2**20:>10.2f} {r['host_bytes'] / 2**20:>9.2f} "
+                         f"{r['ms']:>8.2f}")
+        budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / 2**20:.2f} MiB)"
+        lines.append(f"predicted peak {self.predicted_peak_bytes / 2**20:.2f} MiB{budget}, step "
+                     f"{self.predicted_step_ms:.2f} ms, host {self.predicted_host_bytes / 2**20:.2f} MiB")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(dict(modes=self.modes, predicted_peak_bytes=self.predicted_peak_bytes,
+                               predicted_step_ms=self.predicted_step_ms, predicted_host_bytes=self.predicted_host_bytes,
+                               budget_bytes=self.budget_bytes, rows=self.rows))
+
+    @classmethod
+    def from_json(cls, text: str) -> "MemoryPlan":
+        d = json.loads(text)
+        for i, m in enumerate(d.get("modes", ())):
+            if m not in BLOCK_MODES:
+                raise ValueError(f"MemoryPlan.from_json: modes[{i}] is {m!r}; expected one of {BLOCK_MODES}")
+        return cls(d["modes"], d["predicted_peak_bytes"], d["predicted_step_ms"], d["predicted_host_bytes"],
+                   d.get("budget_bytes"), d.get("rows"))
+
+    def __repr__(self):
+        return (f"MemoryPlan(modes={self.modes}, predicted_peak_bytes={self.predicted_peak_bytes}, "
+                f"predicted_step_ms={self.predicted_step_ms:.3f}, predicted_host_bytes={self.predicted_host_bytes})")
+
+
+def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=None, host_budget_bytes=None,
+                modes=None, verbose: bool = False) -> MemoryPlan:
+    """The fastest per-block assignment of modes whose predicted step peak fits budget_bytes.
+
+    example_inputs: the model's positional arguments (a tuple). loss_fn(output): the scalar to
+    backpropagate (default: output.loss when there is one, else the mean of the squared output).
+    The budget is the peak device memory of a training step including weights, gradients (kept
+    allocated) and inputs: max_memory_allocated on a GPU, ckpt_offload.testing.LiveBytes on the CPU
+    test path. modes: the modes to choose from (default: all of BLOCK_MODES; on a CPU without
+    CKPT_OFFLOAD_TEST_CPU=1, those without offload, as CPU tensors are not offloaded there).
+    verbose: one line per profiled mode and the choice, on stderr.
+    Profiling runs a few forward/backward steps on the batch; .grad is left allocated and zeroed.
+    Raises ValueError naming the smallest feasible budget when nothing fits.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan_memory: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(f"plan_memory: example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
+    for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+        if v is None and name == "host_budget_bytes":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"plan_memory: {name} must be a positive int (bytes), got {v!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"plan_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(verbose, bool):
+        raise TypeError(f"plan_memory: verbose must be True or False, got {verbose!r}")
+    if modes is None:
+        modes = list(BLOCK_MODES)
+        params = list(model.parameters())
+        if (not params or params[0].device.type == "cpu") and not test_cpu_enabled():
+            # CPU tensors are never offloaded outside the test path: those modes would move nothing.
+            modes = [m for m in modes if m not in _OFFLOADED]
+    modes = list(modes)
+    bad = [m for m in modes if m not in BLOCK_MODES]
+    if bad or not modes:
+        raise ValueError(f"plan_memory: modes must be a non-empty list from {BLOCK_MODES}, got {modes!r}")
+    cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
+    return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
+
+
+def plan_from_cost(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None, verbose=False) -> MemoryPlan:
+    """plan_memory's search on a measured CostModel (no profiling)."""
+    modes = list(modes or cost.modes)
+    best, smallest = search(cost, budget_bytes, host_budget_bytes, modes)
+    if best is None:
+        if smallest is None:
+            raise ValueError(
+                f"plan_memory: no assignment keeps the host bytes within host_budget_bytes={host_budget_bytes}; "
+                f"the smallest is {min(cost.host_bytes([m] * cost.n) for m in modes)} bytes; raise host_budget_bytes"
+            )
+        raise ValueError(
+            f"plan_memory: nothing fits budget_bytes={budget_bytes}; the smallest feasible budget is {smallest[0]} "
+            f"bytes ({'/'.join(smallest[1])}); raise budget_bytes to at least {smallest[0]}"
+        )
+    assign, ms, peak, hb = best
+    if verbose:
+        print(f"plan_memory: chose {assign}: peak {peak} bytes, {ms:.2f} ms, host {hb} bytes", file=sys.stderr, flush=True)
+    rows = []
+    for i, m in enumerate(assign):
+        copy = 0.0
+        if m in _OFFLOADED:
+            copy = cost.host[m][i] / (cost.d2h_gb_per_s * 1e6) + cost.host[m][i] / (cost.h2d_gb_per_s * 1e6)
+        rows.append(dict(mode=m, device_bytes=int(cost.kept[m][i]), host_bytes=int(cost.host[m][i]),
+                         ms=cost.fwd_ms[m][i] + cost.bwd_ms[m][i] + (copy if cost.synchronous_copies else 0.0)))
+    return MemoryPlan(assign, peak, ms, hb, budget_bytes, rows, cost)
