@@ -166,6 +166,8 @@ def apply_mode(model, mode, a):
         model.layer_call = sync_offload_call
     elif mode == "offload_activations":
         return lambda: ckpt_offload.offload_activations(min_bytes=a.min_bytes)
+    elif mode == "planned":  # --budget: the plan run_main made for this length
+        a.plan.apply(model)
     return contextlib.nullcontext
 
 
@@ -339,6 +341,11 @@ def measure_mode(model, ids, mode, a, cuda, timed=None):
         torch._dynamo.utils.counters.clear()
     ctx = apply_mode(model, mode, a)
     row, ref = measure(model, ids, mode, ctx, a, cuda, timed)
+    row["base_bytes"] = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(), ids)) \
+        + sum(p.numel() * p.element_size() for p in model.parameters())  # weights, buffers, inputs, gradients
+    if mode == "planned":
+        row.update(plan_modes=a.plan.modes, predicted_peak_bytes=a.plan.predicted_peak_bytes,
+                   predicted_step_ms=a.plan.predicted_step_ms, predicted_host_bytes=a.plan.predicted_host_bytes)
     row["offloaded_layers"] = offloaded_layers(model, mode)
     ckpt_offload.disable_checkpointing(model)
     model.layer_call = None
@@ -557,6 +564,73 @@ def finish_length_args(a, p, config):
     unknown = set(a.length_mode_list) - set(MODES)
     if unknown:
         p.error(f"--length-modes: unknown modes {sorted(unknown)}; choose from {MODES}")
+
+
+# -- --budget: the configuration plan_memory chooses, beside the uniform ones ----------------------
+UNIFORM = ["none", "full", "every2", "every4", "async_offload", "every2_async"]
+
+
+def plan_length(model, ids, a, runnable, seq):
+    """With --budget: profiles the model on ids and keeps the plan for a.budget device bytes a step in
+    a.plan (apply_mode's "planned"). Returns {"planned": error row} when planning failed (it then
+    leaves runnable), else {}."""
+    if "planned" not in runnable:
+        return {}
+    ckpt_offload.disable_checkpointing(model)
+    model.layer_call = None
+    plan, ok = run_guarded(lambda: (ckpt_offload.plan_memory(model, (ids,), a.budget, loss_fn=lambda loss: loss,
+                                                             verbose=True), True), "planned", seq)
+    if ok is None:
+        runnable.remove("planned")
+        return {"planned": plan}
+    a.plan = plan
+    print(f"\nplan for {a.budget} bytes at seq {seq}:\n{plan.table()}", flush=True)
+    return {}
+
+
+def absolute_peak(r, cuda):
+    """The step's peak as the budget counts it: max_memory_allocated on a GPU; on the CPU the live
+    bytes above weights, gradients and inputs plus those."""
+    if cuda:
+        return r.get("peak_device_bytes")
+    return None if r.get("live_peak_bytes") is None else r["live_peak_bytes"] + r["base_bytes"]
+
+
+def evaluate_budget(rows, budget, cuda):
+    """Per sequence length: the planned row against the fastest uniform configuration whose measured
+    peak fits the budget. met: planned step time <= that one's (judged on a GPU only)."""
+    out = []
+    for seq in sorted({r["seq"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["seq"] == seq and "step_ms_median" in r}
+        plan = by.get("planned")
+        fits = [by[m] for m in UNIFORM if m in by and absolute_peak(by[m], cuda) is not None
+                and absolute_peak(by[m], cuda) <= budget]
+        best = min(fits, key=lambda r: r["step_ms_median"]) if fits else None
+        entry = dict(seq=seq, budget_bytes=budget, fastest_uniform=best and best["mode"],
+                     fastest_uniform_ms=best and best["step_ms_median"], planned_ms=plan and plan["step_ms_median"],
+                     planned_peak_bytes=plan and absolute_peak(plan, cuda),
+                     predicted_peak_bytes=plan and plan["predicted_peak_bytes"], plan_modes=plan and plan["plan_modes"])
+        if plan is None:
+            entry.update(met=None, note="the planned configuration did not run")
+        elif best is None:
+            entry.update(met=None, note="no uniform configuration fits the budget")
+        elif not cuda:
+            entry.update(met=None, note="CPU run: judged on a GPU")
+        else:
+            entry.update(met=plan["step_ms_median"] <= best["step_ms_median"], note="")
+        out.append(entry)
+    return out
+
+
+def print_budget(entries):
+    print("\n--budget: the planned configuration beside the fastest uniform one that fits (target: planned ms <= it)")
+    print_table(["seq", "budget", "plan peak", "predicted", "plan ms", "fastest fitting", "its ms", "verdict", "note"],
+                [[e["seq"], fmt_bytes(e["budget_bytes"]), fmt_bytes(e["planned_peak_bytes"]), fmt_bytes(e["predicted_peak_bytes"]),
+                  fmt_ms(e["planned_ms"]), e["fastest_uniform"] or "n/a", fmt_ms(e["fastest_uniform_ms"]),
+                  "met" if e["met"] else ("MISSED" if e["met"] is False else "n/a"), e["note"]] for e in entries])
+    for e in entries:
+        if e["plan_modes"]:
+            print(f"plan @ seq {e['seq']}: {', '.join(e['plan_modes'])}")
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -1120,6 +1194,8 @@ def build_parser():
                    help="every mode with every block compiled (block.compile(backend=BACKEND), default inductor), "
                         "modes timed one after another; opt-in on the CPU, where compiling is slow")
     p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
+    p.add_argument("--budget", type=int, help="device bytes of a step (weights, gradients and inputs included): "
+                   "also run the configuration plan_memory chooses for it (mode 'planned') beside the others")
     p.add_argument("--wide", action="store_true",
                    help="print every column (spread, H2D bytes, host pool, reload wait, copy throughput); the "
                    "default table keeps to about 120 characters; the JSON always holds every figure")
@@ -1148,6 +1224,12 @@ def parse_args(argv=None):
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     if a.compile and a.hf:
         p.error("--compile applies to the decoder stack, not to --hf")
+    if a.budget is not None:
+        if a.budget <= 0 or a.hf:
+            p.error("--budget takes a positive number of bytes, and not with --hf")
+        a.mode_list.append("planned")
+    if a.budget is not None and a.compile:
+        p.error("--budget plans and runs eager blocks; leave out --compile")
     a.torch_dtype = getattr(torch, a.dtype)
     a.elem = torch.finfo(a.torch_dtype).bits // 8
     if a.min_bytes is None:
@@ -1198,10 +1280,12 @@ def run_main(a, device, cuda, bar, t0, result, write):
         spent = a.budget_s and time.monotonic() - t0 > a.budget_s
         runnable = [m for m in a.mode_list if not spent and not (m == "attn_offload" and not attn_supported())]
         bar.set_description(f"timed steps, seq={seq}")
+        planning_failed = plan_length(model, ids, a, runnable, seq)
         if a.compile:  # one mode after another (measure_mode), each from a reset, with its own counts
             timed, failed = {m: None for m in runnable}, {}
         else:
             timed, failed = interleaved_timing(runnable, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda, seq)
+        failed.update(planning_failed)
         ckpt_offload.disable_checkpointing(model)
         model.layer_call = None
         for mode in a.mode_list:
@@ -1264,6 +1348,8 @@ def main(argv=None):
                 torch.manual_seed(0)
                 result["lengths"], length_problems = run_lengths(a, Decoder(a, device, a.torch_dtype).train(), device, cuda)
                 problems += length_problems
+            if a.budget is not None:
+                result["budget"] = evaluate_budget(rows, a.budget, cuda)
     incomplete = [f"{r['mode']}@{r['seq']}: {r['skipped']}" for r in rows if r.get("skipped")]
     result.update(rows=rows, savings=saves, problems=problems, incomplete=incomplete, elapsed_s=time.monotonic() - t0)
     result["plots"] = plot(rows, a, a.out, prefix, "hf_gc" if a.hf else "full") if rows else []
@@ -1280,6 +1366,8 @@ def main(argv=None):
                       f"{r['graphs_compiled_in_timed_steps']}")
     if "targets" in result:
         print_targets(result["targets"])
+    if "budget" in result:
+        print_budget(result["budget"])
     print(f"\nJSON: {json_path}; plots: {', '.join(result['plots']) or 'none'}; {result['elapsed_s']:.1f} s")
     if incomplete:
         print(f"INCOMPLETE: {len(incomplete)} mode runs skipped:\n  " + "\n  ".join(incomplete))

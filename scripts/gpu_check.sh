@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
 # extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
-# runs under `timeout`; the stage limits add up to TOTAL_S (default 545 s, about 9 minutes), 120 s of
-# them for the step benchmark with every block compiled.
+# runs under `timeout`; the stage limits add up to TOTAL_S (default 645 s, about 11 minutes), 120 s of
+# them for the step benchmark with every block compiled, 100 s for the --budget run.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
-#              TOTAL_S (545), MAX_JOBS (nproc).
+#              TOTAL_S (645), MAX_JOBS (nproc).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -20,7 +20,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-8}
 SEQS=${SEQS:-4096,8192}
-TOTAL_S=${TOTAL_S:-545}
+TOTAL_S=${TOTAL_S:-645}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # Scripts run as `python benchmarks/x.py` see benchmarks/ first on sys.path; the repository root
 # makes an in-place build importable even where the editable install failed.
@@ -90,6 +90,23 @@ gpu_tests() {
     rc=5
   fi
   return "$rc"
+}
+
+# bench_step.py --budget: plan_memory's configuration beside the uniform ones, for a budget halfway
+# between async_offload's and every2's measured peaks at the step stage's first sequence length.
+budget_run() {
+  local budget
+  budget=$("$PY" - "$OUT/step/bench_step.json" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+seq = min(r["seq"] for r in rows)
+peak = {r["mode"]: r.get("peak_device_bytes") for r in rows if r["seq"] == seq}
+print((peak["async_offload"] + peak["every2"]) // 2)
+EOF
+  ) || { echo "no async_offload and every2 peaks in the step stage's JSON: no budget to plan for"; return 4; }
+  echo "budget: $budget bytes (seq ${SEQS%%,*})"
+  "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "${SEQS%%,*}" --steps 3 \
+    --modes none,full,every2,every4,async_offload,every2_async --budget "$budget" --out "$OUT/budget"
 }
 
 summary() {
@@ -166,6 +183,18 @@ if comp:
            else [r["mode"], r["seq"], r.get("error") or r.get("skipped")] + [""] * 4 for r in comp["rows"]])
     print("checks:", ("; ".join(comp["problems"]) or "passed") if "problems" in comp
           else "INCOMPLETE: the script did not finish (see step_compile.log)")
+bud = load("budget/bench_step.json")
+if bud:
+    print("\nplan_memory for a budget between async_offload's peak and every2's (target: planned ms <= fastest fitting uniform)")
+    table(["seq", "budget GiB", "plan peak GiB", "predicted GiB", "plan ms", "fastest fitting", "its ms", "verdict", "note"],
+          [[e["seq"], gib(e["budget_bytes"]), gib(e["planned_peak_bytes"]), gib(e["predicted_peak_bytes"]),
+            "n/a" if e["planned_ms"] is None else f"{e['planned_ms']:.1f}", e["fastest_uniform"] or "n/a",
+            "n/a" if e["fastest_uniform_ms"] is None else f"{e['fastest_uniform_ms']:.1f}",
+            "met" if e["met"] else ("MISSED" if e["met"] is False else "n/a"), e["note"]] for e in bud.get("budget", [])])
+    for e in bud.get("budget", []):
+        print(f"plan @ seq {e['seq']}: {e['plan_modes']}")
+    print("checks:", ("; ".join(bud["problems"]) or "passed") if "problems" in bud
+          else "INCOMPLETE: the script did not finish (see budget.log)")
 hf = load("hf/bench_step_hf.json")
 if hf:
     print("\ntransformers LlamaForCausalLM")
@@ -194,7 +223,7 @@ EOF
 }
 
 export PY OUT GPU_TEST_FILES
-export -f build gpu_tests summary
+export -f build gpu_tests budget_run summary
 
 echo "ckpt_offload GPU check: output in $OUT, budget ${TOTAL_S}s, layers $LAYERS, seqs $SEQS"
 stage env 15 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'"
@@ -207,6 +236,7 @@ stage step 160 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYER
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
 stage step_compile 120 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
   --budget-s 100 --out "$OUT/step_compile"
+stage budget 100 budget_run
 stage hf 35 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
 stage summary 10 summary
 cat "$OUT/summary.log"

@@ -14,7 +14,7 @@ from tiny_gpt import grads, loss_of, make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("test_cpu")
 
-L, H, S, B = 6, 32, 64, 2
+L, H, S, B = 5, 32, 64, 2
 
 
 def loss_fn_for(ids):
@@ -100,7 +100,7 @@ def test_every_assignment_predicts_the_measured_peak_within_ten_percent(profiled
     model, ids, _, _, plan0 = profiled
     cost = plan0.cost_model
     g = torch.Generator().manual_seed(0)
-    for _ in range(6):
+    for _ in range(4):
         modes = [cost.modes[int(i)] for i in torch.randint(0, len(cost.modes), (L,), generator=g)]
         ckpt_offload.enable_block_modes(model, modes)
         try:
@@ -168,7 +168,7 @@ def _check_against_uniform(cost, budget_list):
 
 def test_uniform_configurations_are_what_enable_checkpointing_sets(profiled):
     model, ids, _, _, _ = profiled
-    for every, off in ((1, True), (2, True), (4, False)):
+    for every, off in ((1, True), (2, False)):
         ckpt_offload.enable_checkpointing(model, every_n_layers=every, offload=off, keep_last=1)
         a = measured_peak(model, ids)
         ckpt_offload.disable_checkpointing(model)
@@ -211,9 +211,9 @@ def test_offload_mode_recomputes_nothing_and_sends_every_saved_activation():
 
 def test_apply_is_undone_by_disable_checkpointing(profiled):
     model, _, _, _, plan0 = profiled
-    plan = MemoryPlan(["offload", "checkpoint+offload", "checkpoint", "none", "offload", "checkpoint"], 1, 1.0, 1)
+    plan = MemoryPlan(["offload", "checkpoint+offload", "checkpoint", "none", "offload"], 1, 1.0, 1)
     assert plan.apply(model) == plan.modes
-    assert ckpt_offload.checkpointing_state(model) == ([1, 2, 5], [0, 1, 4])
+    assert ckpt_offload.checkpointing_state(model) == ([1, 2], [0, 1, 4])
     assert all("forward" in b.__dict__ for i, b in enumerate(model.blocks) if i != 3)
     ckpt_offload.disable_checkpointing(model)
     assert ckpt_offload.checkpointing_state(model) is None
