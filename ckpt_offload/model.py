@@ -321,6 +321,9 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
             _set(saved, blocks[i], "_gradient_checkpointing_func", _offload_function(whole))
         else:
             _set(saved, blocks[i], "forward", _wrap_offload(blocks[i], whole))
+    if hf_layers:
+        for i in (i for i, m in enumerate(modes) if m == "none"):
+            _set(saved, blocks[i], "gradient_checkpointing", False)  # even where transformers' own was on
     hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
     if whole is not None:
         hooks += [

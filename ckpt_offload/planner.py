@@ -21,7 +21,7 @@ from .model import BLOCK_MODES, disable_checkpointing, enable_block_modes, find_
 _CHECKPOINTED = {"checkpoint", "checkpoint+offload"}
 _OFFLOADED = {"offload", "checkpoint+offload"}
 # Exhaustive search up to this many assignments; beyond it, a local search from the uniform ones.
-_EXHAUSTIVE_LIMIT = 1 << 16
+_EXHAUSTIVE_LIMIT = 1 << 14
 
 
 def _default_loss(out):
@@ -141,6 +141,11 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
     finally:
         for h in handles:
             h.remove()
+    if "b0" not in probe.marks and "b1" in probe.marks:
+        # The first block's input needs no gradient: the block's backward ends the step's.
+        now, _, t, sent = probe.marks["end"]
+        probe.marks["b0"] = probe.marks["end"]
+        probe.marks["end"] = (now, now, t, sent)
     missing = [k for k in [f"b{i}" for i in range(n + 1)] + [f"f{i}" for i in range(n + 1)] if k not in probe.marks]
     if missing:
         raise ValueError(
@@ -164,7 +169,8 @@ class CostModel:
     Memory (bytes): kept[m][i] what block i holds on the device from its forward to its backward;
     bwd_excess[m][i] how far its backward rises above the level where it starts; fwd_excess[m][i]
     the same for its forward; host[m][i] the bytes it sends to the host. Time (ms): fwd_ms /
-    bwd_ms per block, compute only (copies are modelled from d2h/h2d_gb_per_s); the parts outside
+    bwd_ms per block, compute only, from the run without checkpointing (a recompute adds the block's
+    forward; copies are modelled from d2h/h2d_gb_per_s); the parts outside
     the blocks in `outside`.
     """
 
@@ -205,18 +211,25 @@ class CostModel:
         for i, m in enumerate(modes):
             peaks.append(level_fwd + self.fwd_excess[m][i])
             level_fwd += kept[i]
+        # Reloads on the device over block i's backward: its own (prefetched or fetched on demand),
+        # and those of offloaded blocks j below it that a block u[j] above it started.
+        inflight = [0] * (self.n + 1)
+        starts_reload = [False] * self.n
+        for j, m in enumerate(modes):
+            if m in _OFFLOADED:
+                inflight[j] += self.host[m][j]
+                inflight[j + 1 if u[j] is None else u[j]] -= self.host[m][j]
+                if u[j] is not None and m == "checkpoint+offload":
+                    starts_reload[u[j]] = True
+        inflight = list(itertools.accumulate(inflight))
         below = 0  # bytes of earlier blocks still held when block i's backward starts
         for i, m in enumerate(modes):
-            # Reloads on the device over block i's backward: its own (prefetched or fetched on
-            # demand), and those of offloaded blocks below it that a block above it started.
-            inflight = sum(self.host[modes[j]][j] for j in range(i + 1)
-                           if modes[j] in _OFFLOADED and (j == i or (u[j] is not None and u[j] > i)))
             excess = self.bwd_excess[m][i]
-            if m == "checkpoint" and any(uj == i and modes[j] == "checkpoint+offload" for j, uj in enumerate(u)):
+            if m == "checkpoint" and starts_reload[i]:
                 # A reload started from this block's midpoint, as measured where every block offloads.
                 if "checkpoint+offload" in self.bwd_excess:
                     excess = max(excess, self.bwd_excess["checkpoint+offload"][i])
-            peaks.append(o["bwd_level"] + below + kept[i] + inflight + excess)
+            peaks.append(o["bwd_level"] + below + kept[i] + inflight[i] + excess)
             below += kept[i]
         return int(max(peaks))
 
@@ -244,6 +257,10 @@ class CostModel:
         c = max(c + o["fwd_head_ms"], d2h_free) + o["bwd_head_ms"]
         u = self._reload_trigger(modes)
         trigger = [None] * self.n
+        started = [[] for _ in range(self.n)]  # the blocks whose reloads block i starts
+        for j, uj in enumerate(u):
+            if uj is not None:
+                started[uj].append(j)
         h2d_free = c
         for i in range(self.n - 1, -1, -1):
             m = modes[i]
@@ -260,9 +277,8 @@ class CostModel:
                 end = max(start + self.bwd_ms[m][i], h2d_free)
             else:
                 end = start + self.bwd_ms[m][i]
-            for j in range(i):
-                if u[j] == i:
-                    trigger[j] = start + self.bwd_ms[m][i] / 2 if modes[j] == "checkpoint+offload" else end
+            for j in started[i]:
+                trigger[j] = start + self.bwd_ms[m][i] / 2 if modes[j] == "checkpoint+offload" else end
             c = end
         return c + o["bwd_pre_ms"]
 
@@ -305,10 +321,7 @@ def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     modes = ["none"] + [m for m in modes if m != "none"]
-    need = set(modes)
-    if "checkpoint+offload" in need:
-        need.add("checkpoint")  # its compute time is the checkpoint's
-    runs = [m for m in BLOCK_MODES if m in need]
+    runs = [m for m in BLOCK_MODES if m in modes]
     probes, timed = {}, {}
     rates = []
     disable_checkpointing(model)
@@ -328,7 +341,7 @@ def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -
                     probes[m] = _measured_step(model, blocks, example_inputs, loss_fn, device)
                 finally:
                     _engine.profile(False)
-                if device.type != "cuda":  # times from a step without the memory bookkeeping
+                if m == "none" and device.type != "cuda":  # times from a step without the memory bookkeeping
                     timed[m] = _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=False)
                 if m in _OFFLOADED:
                     s = _engine.stats()
@@ -358,9 +371,6 @@ def _compose(probes, timed, n, rates, device):
             bwd_excess[m] = [e - h[i] for i, e in enumerate(bwd_excess[m])]  # the own reload is counted apart
         fwd_excess[m] = [mk[f"f{i + 1}"][1] - f[i] for i in range(n)]
         host[m] = h
-        t = timed[m]
-        fwd_ms[m] = [t.elapsed_ms(f"f{i}", f"f{i + 1}") for i in range(n)]
-        bwd_ms[m] = [t.elapsed_ms(f"b{i + 1}", f"b{i}") for i in range(n)]
     none = probes["none"].marks
     pn = timed["none"]
     outside = dict(
@@ -376,16 +386,19 @@ def _compose(probes, timed, n, rates, device):
         bwd_head_ms=pn.elapsed_ms("fwd_end", f"b{n}"),
         bwd_pre_ms=pn.elapsed_ms("b0", "end"),
     )
-    # Copies are modelled from the engine's throughput; compute from the runs without copies.
-    if "offload" in probes:
-        fwd_ms["offload"], bwd_ms["offload"] = fwd_ms["none"], bwd_ms["none"]
-    if "checkpoint+offload" in probes:
-        fwd_ms["checkpoint+offload"], bwd_ms["checkpoint+offload"] = fwd_ms["checkpoint"], bwd_ms["checkpoint"]
+    # Compute from the run without checkpointing or copies: a recompute costs the block's forward
+    # once more; copies are modelled from the engine's throughput. (Timed per mode, noise could make a
+    # recompute look cheaper than none on a busy host.)
+    t = timed["none"]
+    fwd = [t.elapsed_ms(f"f{i}", f"f{i + 1}") for i in range(n)]
+    bwd = [t.elapsed_ms(f"b{i + 1}", f"b{i}") for i in range(n)]
+    for m in probes:
+        fwd_ms[m] = list(fwd)
+        bwd_ms[m] = [b + f for b, f in zip(bwd, fwd)] if m in _CHECKPOINTED else list(bwd)
     modes = [m for m in BLOCK_MODES if m in probes]
     measured = [(d, h) for d, h in rates if d and h]
     d2h = min(d for d, _ in measured) if measured else 1.0
     h2d = min(h for _, h in measured) if measured else 1.0
-    # probes[...] also ran the helper mode "checkpoint" when only checkpoint+offload was asked for.
     return CostModel(n=n, modes=modes, kept=kept, bwd_excess=bwd_excess, fwd_excess=fwd_excess, host=host,
                      fwd_ms=fwd_ms, bwd_ms=bwd_ms, outside=outside, d2h_gb_per_s=d2h, h2d_gb_per_s=h2d,
                      synchronous_copies=device.type != "cuda")
@@ -393,8 +406,10 @@ def _compose(probes, timed, n, rates, device):
 
 def search(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None):
     """The assignment with the lowest predicted step time whose predicted peak is <= budget_bytes and host
-    bytes <= host_budget_bytes: every assignment when there are at most 65536, else a local search
-    (single-block changes) from the uniform configurations, so never slower than the best uniform one."""
+    bytes <= host_budget_bytes: every assignment when there are at most 16384, else a local search
+    (one block's mode changed, or two blocks' exchanged, first improvement taken) from every uniform
+    configuration, so never predicted slower than the best uniform one that fits.
+    Returns (best (modes, ms, peak, host bytes) or None, (smallest peak seen, its modes) or None)."""
     modes = list(modes or cost.modes)
     n = cost.n
     best = None
@@ -422,14 +437,18 @@ def search(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None):
             improved = True
             while improved:
                 improved = False
-                for i in range(n):
-                    for m in modes:
-                        if m == cur[i]:
-                            continue
-                        cand = cur[:i] + [m] + cur[i + 1:]
-                        s = _score(consider(cand), budget_bytes)
-                        if s < score:
-                            cur, score, improved = cand, s, True
+                # Neighbours: one block's mode changed, or two blocks' modes exchanged (which moves a
+                # mode to another position at the same cost in time).
+                moves = [(i, m) for i in range(n) for m in modes if m != cur[i]]
+                swaps = [(i, j) for i in range(n) for j in range(i + 1, n) if cur[i] != cur[j]]
+                for cand in itertools.chain(
+                    (cur[:i] + [m] + cur[i + 1:] for i, m in moves),
+                    ([cur[j] if k == i else cur[i] if k == j else x for k, x in enumerate(cur)] for i, j in swaps),
+                ):
+                    s = _score(consider(cand), budget_bytes)
+                    if s < score:
+                        cur, score, improved = cand, s, True
+                        break
     return best, smallest
 
 
@@ -444,7 +463,7 @@ class MemoryPlan:
     """One mode per repeated block (forward order) and what the cost model predicts for it."""
 
     def __init__(self, modes, predicted_peak_bytes, predicted_step_ms, predicted_host_bytes, budget_bytes=None,
-                 rows=None, cost_model=None):
+                 rows=None, cost_model=None, smallest_peak_bytes=None):
         self.modes = list(modes)
         self.predicted_peak_bytes = int(predicted_peak_bytes)
         self.predicted_step_ms = float(predicted_step_ms)
@@ -452,6 +471,15 @@ class MemoryPlan:
         self.budget_bytes = budget_bytes
         self.rows = rows or []  # per block: mode, device_bytes, host_bytes, ms
         self.cost_model = cost_model  # None for a plan read back with from_json
+        self.smallest_peak_bytes = smallest_peak_bytes  # the smallest feasible budget found
+        self._modes_allowed = None  # the modes the search chose from (None: all that were measured)
+
+    def replan(self, budget_bytes: int, host_budget_bytes=None) -> "MemoryPlan":
+        """The plan for another budget from the same measurements (no profiling)."""
+        if self.cost_model is None:
+            raise ValueError("MemoryPlan.replan: this plan was read from JSON and holds no measurements; call plan_memory")
+        _check_budget("MemoryPlan.replan", budget_bytes, host_budget_bytes)
+        return plan_from_cost(self.cost_model, budget_bytes, host_budget_bytes, self._modes_allowed)
 
     def apply(self, model: nn.Module) -> list[str]:
         """Configures model with this plan's modes (ckpt_offload.disable_checkpointing undoes it)."""
@@ -469,9 +497,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The modes, predictions and table as JSON (the measurements stay behind)."""
         return json.dumps(dict(modes=self.modes, predicted_peak_bytes=self.predicted_peak_bytes,
                                predicted_step_ms=self.predicted_step_ms, predicted_host_bytes=self.predicted_host_bytes,
-                               budget_bytes=self.budget_bytes, rows=self.rows))
+                               budget_bytes=self.budget_bytes, rows=self.rows, smallest_peak_bytes=self.smallest_peak_bytes))
 
     @classmethod
     def from_json(cls, text: str) -> "MemoryPlan":
@@ -480,7 +509,7 @@ class MemoryPlan:
             if m not in BLOCK_MODES:
                 raise ValueError(f"MemoryPlan.from_json: modes[{i}] is {m!r}; expected one of {BLOCK_MODES}")
         return cls(d["modes"], d["predicted_peak_bytes"], d["predicted_step_ms"], d["predicted_host_bytes"],
-                   d.get("budget_bytes"), d.get("rows"))
+                   d.get("budget_bytes"), d.get("rows"), smallest_peak_bytes=d.get("smallest_peak_bytes"))
 
     def __repr__(self):
         return (f"MemoryPlan(modes={self.modes}, predicted_peak_bytes={self.predicted_peak_bytes}, "
@@ -505,11 +534,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         raise TypeError(f"plan_memory: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         raise TypeError(f"plan_memory: example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
-    for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
-        if v is None and name == "host_budget_bytes":
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"plan_memory: {name} must be a positive int (bytes), got {v!r}")
+    _check_budget("plan_memory", budget_bytes, host_budget_bytes)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"plan_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(verbose, bool):
@@ -528,6 +553,14 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
     return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
 
 
+def _check_budget(fn, budget_bytes, host_budget_bytes):
+    for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+        if v is None and name == "host_budget_bytes":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{fn}: {name} must be a positive int (bytes), got {v!r}")
+
+
 def plan_from_cost(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None, verbose=False) -> MemoryPlan:
     """plan_memory's search on a measured CostModel (no profiling)."""
     modes = list(modes or cost.modes)
@@ -538,9 +571,10 @@ def plan_from_cost(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=
                 f"plan_memory: no assignment keeps the host bytes within host_budget_bytes={host_budget_bytes}; "
                 f"the smallest is {min(cost.host_bytes([m] * cost.n) for m in modes)} bytes; raise host_budget_bytes"
             )
+        how = "" if len(modes) ** cost.n <= _EXHAUSTIVE_LIMIT else ", the smallest the local search found"
         raise ValueError(
             f"plan_memory: nothing fits budget_bytes={budget_bytes}; the smallest feasible budget is {smallest[0]} "
-            f"bytes ({'/'.join(smallest[1])}); raise budget_bytes to at least {smallest[0]}"
+            f"bytes ({'/'.join(smallest[1])}{how}); raise budget_bytes to at least {smallest[0]}"
         )
     assign, ms, peak, hb = best
     if verbose:
@@ -552,4 +586,6 @@ def plan_from_cost(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=
             copy = cost.host[m][i] / (cost.d2h_gb_per_s * 1e6) + cost.host[m][i] / (cost.h2d_gb_per_s * 1e6)
         rows.append(dict(mode=m, device_bytes=int(cost.kept[m][i]), host_bytes=int(cost.host[m][i]),
                          ms=cost.fwd_ms[m][i] + cost.bwd_ms[m][i] + (copy if cost.synchronous_copies else 0.0)))
-    return MemoryPlan(assign, peak, ms, hb, budget_bytes, rows, cost)
+    plan = MemoryPlan(assign, peak, ms, hb, budget_bytes, rows, cost, smallest_peak_bytes=smallest[0])
+    plan._modes_allowed = modes
+    return plan

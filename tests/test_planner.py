@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckpt_offload
 from ckpt_offload.planner import CostModel, MemoryPlan, plan_from_cost, uniform_configs
 from ckpt_offload.testing import LiveBytes
+from conftest import requires_cuda
 from tiny_gpt import grads, loss_of, make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("test_cpu")
@@ -154,6 +155,20 @@ def test_the_local_search_on_many_blocks_is_never_slower_than_uniform(profiled):
     _check_against_uniform(deep, [int(lo + (full - lo) * j / 6) for j in range(7)])
 
 
+def test_the_local_search_finds_what_the_exhaustive_one_finds(profiled, monkeypatch):
+    import ckpt_offload.planner as planner
+
+    _, _, full_peak, _, plan0 = profiled
+    cost = plan0.cost_model
+    for budget in budgets(cost, full_peak, k=11):
+        exact = plan_from_cost(cost, budget)
+        monkeypatch.setattr(planner, "_EXHAUSTIVE_LIMIT", 0)
+        local = plan_from_cost(cost, budget)
+        monkeypatch.setattr(planner, "_EXHAUSTIVE_LIMIT", 1 << 14)
+        assert local.predicted_step_ms == pytest.approx(exact.predicted_step_ms, rel=1e-12), (budget, exact.modes, local.modes)
+        assert local.predicted_peak_bytes <= budget
+
+
 def _check_against_uniform(cost, budget_list):
     compared = 0
     for budget in budget_list:
@@ -250,3 +265,77 @@ def test_argument_errors():
         ckpt_offload.enable_block_modes(model, ["none"])
     with pytest.raises(ValueError, match=r"enable_block_modes: modes\[1\] is 'x'"):
         ckpt_offload.enable_block_modes(model, ["none", "x"])
+
+
+def test_hf_enable_with_a_budget_plans_applies_and_keeps_gradients():
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
+    from ckpt_offload.integrations import hf
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    ids = make_batch(batch=2, seq=32, vocab=128)
+
+    def hf_peak():
+        model(ids).logits.float().square().mean().backward()
+        model.zero_grad(set_to_none=False)
+        with LiveBytes() as live:
+            live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
+            model(ids).logits.float().square().mean().backward()
+        return live.peak
+
+    full = hf_peak()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    roomy = ckpt_offload.plan_memory(model, (ids,), full + 1)  # default loss: the mean of the squared logits
+    assert roomy.modes == ["none"] * 4
+    budget = (roomy.predicted_peak_bytes + roomy.smallest_peak_bytes) // 2
+    plan = hf.enable(model, budget_bytes=budget, example_inputs=(ids,))
+    assert isinstance(plan, ckpt_offload.MemoryPlan) and plan.modes != ["none"] * 4
+    assert ckpt_offload.model._STATE_ATTR in model.__dict__
+    peak = hf_peak()
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.10 * peak and peak <= 1.05 * budget, (plan.modes, peak)
+    assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters()), plan.modes
+    hf.disable(model)
+    layers = ckpt_offload.find_repeated_blocks(model)
+    assert ckpt_offload.checkpointing_state(model) is None
+    assert all("gradient_checkpointing" not in m.__dict__ or not m.gradient_checkpointing for m in layers)
+    with pytest.raises(TypeError, match="hf.enable: budget_bytes needs example_inputs"):
+        hf.enable(model, budget_bytes=budget)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_plans_fit_and_predict_the_measured_peak():
+    dev = "cuda"
+    model = make_model(layers=6, hidden=256, heads=4, max_len=512, device=dev)
+    ids = make_batch(batch=4, seq=512, device=dev)
+    loss_fn = loss_fn_for(ids)
+
+    def cuda_peak():
+        loss_of(model, ids).backward()
+        model.zero_grad(set_to_none=False)
+        ckpt_offload.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss_of(model, ids).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    full = cuda_peak()
+    reference = [p.grad.clone() for p in model.parameters()]
+    roomy = ckpt_offload.plan_memory(model, (ids,), full + (1 << 20), loss_fn=loss_fn)
+    assert roomy.modes == ["none"] * 6
+    lo = roomy.smallest_peak_bytes
+    for budget in [int(lo + (full - lo) * j / 4) for j in range(5)]:
+        plan = roomy.replan(budget)
+        plan.apply(model)
+        try:
+            peak = cuda_peak()
+        finally:
+            ckpt_offload.disable_checkpointing(model)
+        print(f"cuda budget {budget} plan {plan.modes} predicted {plan.predicted_peak_bytes} measured {peak}")
+        assert abs(plan.predicted_peak_bytes - peak) <= 0.10 * peak, (budget, plan.modes, peak)
+        assert peak <= 1.05 * budget, (budget, plan.modes, peak)
+        assert all(torch.allclose(p.grad, r, rtol=1e-5, atol=1e-6) for p, r in zip(model.parameters(), reference))
