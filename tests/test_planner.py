@@ -339,3 +339,37 @@ def test_cuda_plans_fit_and_predict_the_measured_peak():
         assert abs(plan.predicted_peak_bytes - peak) <= 0.10 * peak, (budget, plan.modes, peak)
         assert peak <= 1.05 * budget, (budget, plan.modes, peak)
         assert all(torch.allclose(p.grad, r, rtol=1e-5, atol=1e-6) for p, r in zip(model.parameters(), reference))
+
+
+def test_bench_step_budget_runs_the_plan_beside_the_uniform_configurations(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)  # the script sets it itself on the CPU
+
+    def run(out, *args):
+        p = subprocess.run([sys.executable, "benchmarks/bench_step.py", "--config", "small", "--out", str(tmp_path / out),
+                            *args], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p, json.load(open(tmp_path / out / "bench_step.json"))
+
+    def peak(r):
+        return r["live_peak_bytes"] + r["base_bytes"]
+
+    _, first = run("uniform", "--modes", "async_offload,every2")
+    by = {r["mode"]: r for r in first["rows"]}
+    budget = (peak(by["async_offload"]) + peak(by["every2"])) // 2  # as scripts/gpu_check.sh chooses it
+    p, result = run("planned", "--modes", "none,full,every2,every4,async_offload,every2_async", "--budget", str(budget))
+    assert result["problems"] == []
+    planned = next(r for r in result["rows"] if r["mode"] == "planned")
+    assert len(planned["plan_modes"]) == 4 and planned["predicted_peak_bytes"] <= budget
+    assert abs(planned["predicted_peak_bytes"] - peak(planned)) <= 0.10 * peak(planned)
+    assert peak(planned) <= 1.05 * budget
+    (entry,) = result["budget"]
+    fitting = {r["mode"]: r["step_ms_median"] for r in result["rows"] if r["mode"] != "planned" and peak(r) <= budget}
+    assert entry["fastest_uniform"] == min(fitting, key=fitting.get) and "every2" not in fitting
+    assert entry["met"] is None and entry["note"] == "CPU run: judged on a GPU"
+    assert "--budget: the planned configuration" in p.stdout and "plan for" in p.stdout
