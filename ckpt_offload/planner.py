@@ -4,6 +4,7 @@ peak fits a device-memory budget. MemoryPlan holds the choice, its predictions a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
@@ -50,10 +51,7 @@ class _Probe:
         self.cuda = device.type == "cuda"
         self.device = device
         self.live = live
-        self.marks = {}  # name -> (bytes live, peak since the previous mark, time)
-
-    def level(self):
-        return torch.cuda.memory_allocated(self.device) if self.cuda else self.live.current()
+        self.marks = {}  # name -> (bytes live, peak since the previous mark, time, bytes sent to the host)
 
     def mark(self, name):
         if self.cuda:
@@ -122,8 +120,7 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
         if cuda:
             torch.cuda.synchronize(device)
         _engine.synchronize()
-        ctx = live if live is not None else _Nothing()
-        with ctx:
+        with live if live is not None else contextlib.nullcontext():
             if live is not None:
                 live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),
                           *(t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))])
@@ -153,14 +150,6 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             "the tensor that flows from block to block as its first positional argument and return it"
         )
     return probe
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class CostModel:
@@ -557,8 +546,10 @@ def _check_budget(fn, budget_bytes, host_budget_bytes):
     for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
         if v is None and name == "host_budget_bytes":
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{fn}: {name} must be a positive int (bytes), got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{fn}: {name} must be an int (bytes), got {type(v).__name__}")
+        if v <= 0:
+            raise ValueError(f"{fn}: {name} must be positive (bytes), got {v}")
 
 
 def plan_from_cost(cost: CostModel, budget_bytes, host_budget_bytes=None, modes=None, verbose=False) -> MemoryPlan:

@@ -120,6 +120,24 @@ def test_a_budget_below_the_minimum_names_it(profiled):
     assert plan_from_cost(cost, lo).predicted_peak_bytes == lo
 
 
+def test_a_host_budget_limits_what_goes_to_the_host(profiled):
+    _, _, full_peak, _, plan0 = profiled
+    cost = plan0.cost_model
+    lo = smallest_peak(cost)
+    assert plan_from_cost(cost, lo).predicted_host_bytes > 0  # the smallest peak needs the host
+    for budget in budgets(cost, full_peak)[1:]:
+        unlimited = plan_from_cost(cost, budget)
+        if unlimited.predicted_host_bytes == 0:
+            continue
+        cap = unlimited.predicted_host_bytes // 2
+        capped = plan_from_cost(cost, budget, host_budget_bytes=cap)
+        assert capped.predicted_host_bytes <= cap and capped.predicted_peak_bytes <= budget
+        assert capped.predicted_step_ms >= unlimited.predicted_step_ms
+    no_host = min(cost.peak(list(m)) for m in __import__("itertools").product(["none", "checkpoint"], repeat=cost.n))
+    with pytest.raises(ValueError, match=f"smallest feasible budget is {no_host} bytes"):
+        plan_from_cost(cost, lo, host_budget_bytes=1)
+
+
 def test_plan_memory_itself_raises_below_the_minimum():
     model = make_model(layers=3, hidden=16, heads=2, max_len=16)
     ids = make_batch(batch=1, seq=16)
@@ -257,8 +275,10 @@ def test_argument_errors():
     ids = make_batch(batch=1, seq=16)
     with pytest.raises(TypeError, match="plan_memory: example_inputs must be a tuple"):
         ckpt_offload.plan_memory(model, ids, 1 << 20)
-    with pytest.raises(ValueError, match="plan_memory: budget_bytes must be a positive int"):
+    with pytest.raises(TypeError, match="plan_memory: budget_bytes must be an int"):
         ckpt_offload.plan_memory(model, (ids,), True)
+    with pytest.raises(ValueError, match="plan_memory: host_budget_bytes must be positive"):
+        ckpt_offload.plan_memory(model, (ids,), 1 << 20, host_budget_bytes=0)
     with pytest.raises(ValueError, match="plan_memory: modes must be"):
         ckpt_offload.plan_memory(model, (ids,), 1 << 20, modes=["keep"])
     with pytest.raises(ValueError, match="enable_block_modes: 1 modes for 2 repeated blocks"):
