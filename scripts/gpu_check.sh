@@ -96,13 +96,13 @@ gpu_tests() {
 # between async_offload's and every2's measured peaks at the step stage's first sequence length.
 budget_run() {
   local budget
-  budget=$("$PY" - "$OUT/step/bench_step.json" <<'EOF'
+  budget=$("$PY" - "$OUT/step/bench_step.json" <<'PYEOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 seq = min(r["seq"] for r in rows)
 peak = {r["mode"]: r.get("peak_device_bytes") for r in rows if r["seq"] == seq}
 print((peak["async_offload"] + peak["every2"]) // 2)
-EOF
+PYEOF
   ) || { echo "no async_offload and every2 peaks in the step stage's JSON: no budget to plan for"; return 4; }
   echo "budget: $budget bytes (seq ${SEQS%%,*})"
   "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "${SEQS%%,*}" --steps 3 \

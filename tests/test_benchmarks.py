@@ -124,7 +124,10 @@ def outputs(tmp_path_factory):
             # --compile at a CPU-friendly backend and a few modes (the GPU check runs all, with inductor)
             "step_compile": ["benchmarks/bench_step.py", "--config", "small", "--compile", "aot_eager",
                              "--modes", "none,full,async_offload,offload_activations", "--warmup", "1", "--steps", "2",
-                             "--lengths", "off"]}
+                             "--lengths", "off"],
+            # gpu_check.sh's budget lies between two peaks of the step run; any budget that fits will do here.
+            "budget": ["benchmarks/bench_step.py", "--config", "small", "--modes", "none,every2,async_offload",
+                       "--budget", str(1 << 30), "--lengths", "off"]}
     try:
         import transformers  # noqa: F401
         runs["hf"] = ["benchmarks/bench_step.py", "--hf", "--config", "small"]
@@ -205,6 +208,7 @@ def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "not available" not in p.stdout and "INCOMPLETE" not in p.stdout
     assert "targets:" in p.stdout and "checks: passed" in p.stdout and "bandwidth checks: passed" in p.stdout
+    assert "plan_memory for a budget" in p.stdout and "plan @ seq 64" in p.stdout
     if "hf" in procs:
         assert "transformers LlamaForCausalLM" in p.stdout
     assert "every block compiled (aot_eager)" in p.stdout
