@@ -158,9 +158,9 @@ class CostModel:
     Memory (bytes): kept[m][i] what block i holds on the device from its forward to its backward;
     bwd_excess[m][i] how far its backward rises above the level where it starts; fwd_excess[m][i]
     the same for its forward; host[m][i] the bytes it sends to the host. Time (ms): fwd_ms /
-    bwd_ms per block, compute only, from the run without checkpointing (a recompute adds the block's
-    forward; copies are modelled from d2h/h2d_gb_per_s); the parts outside
-    the blocks in `outside`.
+    bwd_ms per block, compute only (a checkpointed block's backward includes its recompute; copies
+    are modelled from d2h/h2d_gb_per_s and run beside the compute unless synchronous_copies); the
+    parts outside the blocks in `outside`.
     """
 
     FIELDS = ("n", "modes", "kept", "bwd_excess", "fwd_excess", "host", "fwd_ms", "bwd_ms", "outside",
@@ -375,15 +375,20 @@ def _compose(probes, timed, n, rates, device):
         bwd_head_ms=pn.elapsed_ms("fwd_end", f"b{n}"),
         bwd_pre_ms=pn.elapsed_ms("b0", "end"),
     )
-    # Compute from the run without checkpointing or copies: a recompute costs the block's forward
-    # once more; copies are modelled from the engine's throughput. (Timed per mode, noise could make a
-    # recompute look cheaper than none on a busy host.)
+    # Compute from the run without checkpointing or copies; copies are modelled from the engine's
+    # throughput. A recompute: on a GPU what the checkpoint run's backward takes beyond the unmodified
+    # one's; on the CPU, where timings are noise, the block's forward once more (so noise cannot make
+    # a recompute look cheaper than keeping).
     t = timed["none"]
     fwd = [t.elapsed_ms(f"f{i}", f"f{i + 1}") for i in range(n)]
     bwd = [t.elapsed_ms(f"b{i + 1}", f"b{i}") for i in range(n)]
+    recompute = list(fwd)
+    if device.type == "cuda" and "checkpoint" in probes:
+        c = probes["checkpoint"]
+        recompute = [max(0.0, c.elapsed_ms(f"b{i + 1}", f"b{i}") - bwd[i]) for i in range(n)]
     for m in probes:
         fwd_ms[m] = list(fwd)
-        bwd_ms[m] = [b + f for b, f in zip(bwd, fwd)] if m in _CHECKPOINTED else list(bwd)
+        bwd_ms[m] = [b + r for b, r in zip(bwd, recompute)] if m in _CHECKPOINTED else list(bwd)
     modes = [m for m in BLOCK_MODES if m in probes]
     measured = [(d, h) for d, h in rates if d and h]
     d2h = min(d for d, _ in measured) if measured else 1.0
