@@ -243,7 +243,7 @@ def _check_indices(layers, count):
     return sorted(layers)
 
 
-BLOCK_MODES = ("none", "offload", "checkpoint", "checkpoint+offload")
+BLOCK_MODES = ("none", "offload", "checkpoint", "checkpoint+offload", "checkpoint+offload+attention")
 
 
 def _wrap_offload(module: nn.Module, session):
@@ -275,8 +275,10 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
 
     "none"; "checkpoint"; "checkpoint+offload" (its inputs in pinned host memory between forward and
     backward, as enable_checkpointing(offload=True) does, prefetch / prefetch_bytes ahead of need);
-    "offload" (no recompute: every tensor the block saves goes to the host, as offload_activations
-    does, and comes back when the block's backward starts). disable_checkpointing undoes it.
+    "checkpoint+offload+attention" (the same with policy="attention": the attention outputs are
+    offloaded too, not recomputed); "offload" (no recompute: every tensor the block saves goes to
+    the host, as offload_activations does, and comes back when the block's backward starts).
+    disable_checkpointing undoes it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_block_modes: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -295,7 +297,10 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
             raise ValueError(f"enable_block_modes: modes[{i}] is {m!r}; choose from {BLOCK_MODES}")
     disable_checkpointing(model)
     checkpointed = [i for i, m in enumerate(modes) if m.startswith("checkpoint")]
-    ckpt_offloaded = [i for i, m in enumerate(modes) if m == "checkpoint+offload"]
+    ckpt_offloaded = [i for i, m in enumerate(modes) if m.startswith("checkpoint+offload")]
+    attention = None
+    if "checkpoint+offload+attention" in modes:
+        attention = policies.resolve("enable_block_modes", "attention")
     plain_offloaded = [i for i, m in enumerate(modes) if m == "offload"]
     # Two sessions: the checkpointed blocks' reloads start mid-backward of the block above (Midpoints,
     # counted in layers); an "offload" block's tensors come back when its own backward starts.
@@ -310,11 +315,13 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
                 _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
     for i in checkpointed:
         keep = i not in ckpt_offloaded
+        context = attention if modes[i] == "checkpoint+offload+attention" else None
         if hf_layers:
             _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, keep))
+            ckpt_kwargs = {} if context is None else {"context_fn": context}
+            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, keep, **ckpt_kwargs))
         else:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, keep))
+            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, keep, context))
     for i in plain_offloaded:
         if hf_layers:
             _set(saved, blocks[i], "gradient_checkpointing", True)

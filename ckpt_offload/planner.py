@@ -14,13 +14,16 @@ import torch
 from torch import nn
 
 from . import engine as _engine
+from . import policies
 from .midpoints import _in_backward
 from .session import test_cpu_enabled
 from .model import BLOCK_MODES, disable_checkpointing, enable_block_modes, find_repeated_blocks
 
-# Modes whose blocks are checkpointed (recomputed in backward), and those whose saved bytes live on the host.
-_CHECKPOINTED = {"checkpoint", "checkpoint+offload"}
-_OFFLOADED = {"offload", "checkpoint+offload"}
+# Modes whose blocks are checkpointed (recomputed in backward), those whose saved bytes live on the host,
+# and those of both, whose reloads the nearest checkpointed block above starts from its midpoint.
+_CKPT_OFFLOADED = {"checkpoint+offload", "checkpoint+offload+attention"}
+_CHECKPOINTED = {"checkpoint"} | _CKPT_OFFLOADED
+_OFFLOADED = {"offload"} | _CKPT_OFFLOADED
 # Exhaustive search up to this many assignments; beyond it, a local search from the uniform ones.
 _EXHAUSTIVE_LIMIT = 1 << 14
 
@@ -175,18 +178,20 @@ class CostModel:
 
     def _reload_trigger(self, modes):
         """u[j]: for an offloaded block j, the block above it whose backward starts j's reload
-        (prefetch=1): for checkpoint+offload the nearest checkpointed block, from its midpoint; for
-        offload the nearest offload block, when it unpacks its last tensor. None: on demand."""
+        (prefetch=1): for checkpoint+offload(+attention) the nearest checkpointed block, from its
+        midpoint; for offload the nearest offload block, when it unpacks its last tensor. None: on demand."""
         u = [None] * self.n
-        above = {"checkpoint+offload": None, "offload": None}
+        checkpointed = offloaded = None  # the nearest block above of each kind
         for i in range(self.n - 1, -1, -1):
             m = modes[i]
-            if m in above:
-                u[i] = above[m]
+            if m in _CKPT_OFFLOADED:
+                u[i] = checkpointed
+            elif m == "offload":
+                u[i] = offloaded
             if m in _CHECKPOINTED:
-                above["checkpoint+offload"] = i
+                checkpointed = i
             if m == "offload":
-                above["offload"] = i
+                offloaded = i
         return u
 
     def peak(self, modes):
@@ -203,21 +208,24 @@ class CostModel:
         # Reloads on the device over block i's backward: its own (prefetched or fetched on demand),
         # and those of offloaded blocks j below it that a block u[j] above it started.
         inflight = [0] * (self.n + 1)
-        starts_reload = [False] * self.n
+        starts_reload = [0] * self.n  # bytes of the largest reload a block starts from its midpoint
         for j, m in enumerate(modes):
             if m in _OFFLOADED:
                 inflight[j] += self.host[m][j]
                 inflight[j + 1 if u[j] is None else u[j]] -= self.host[m][j]
-                if u[j] is not None and m == "checkpoint+offload":
-                    starts_reload[u[j]] = True
+                if u[j] is not None and m in _CKPT_OFFLOADED:
+                    starts_reload[u[j]] = max(starts_reload[u[j]], self.host[m][j])
         inflight = list(itertools.accumulate(inflight))
         below = 0  # bytes of earlier blocks still held when block i's backward starts
         for i, m in enumerate(modes):
             excess = self.bwd_excess[m][i]
             if m == "checkpoint" and starts_reload[i]:
-                # A reload started from this block's midpoint, as measured where every block offloads.
+                # A reload started from this block's midpoint: as measured where every block offloads
+                # its input, else (not profiled) as if it were there at the peak.
                 if "checkpoint+offload" in self.bwd_excess:
                     excess = max(excess, self.bwd_excess["checkpoint+offload"][i])
+                else:
+                    excess += starts_reload[i]
             peaks.append(o["bwd_level"] + below + kept[i] + inflight[i] + excess)
             below += kept[i]
         return int(max(peaks))
@@ -239,7 +247,7 @@ class CostModel:
         for i, m in enumerate(modes):
             if m in _OFFLOADED:
                 # A checkpoint's input is saved as it starts; a whole block's tensors through its forward.
-                start = c if m == "checkpoint+offload" else c + self.fwd_ms[m][i] / 2
+                start = c if m in _CKPT_OFFLOADED else c + self.fwd_ms[m][i] / 2
                 d2h_free = max(d2h_free, start) + d2h_ms[i]
             c += self.fwd_ms[m][i]
         # The end of the forward returns the sources to the allocator after their copies.
@@ -254,7 +262,7 @@ class CostModel:
         for i in range(self.n - 1, -1, -1):
             m = modes[i]
             start = c
-            if m == "checkpoint+offload":
+            if m in _CKPT_OFFLOADED:
                 began = max(h2d_free, trigger[i] if trigger[i] is not None else start)
                 h2d_free = began + h2d_ms[i]
                 start = max(start, h2d_free)
@@ -267,7 +275,7 @@ class CostModel:
             else:
                 end = start + self.bwd_ms[m][i]
             for j in started[i]:
-                trigger[j] = start + self.bwd_ms[m][i] / 2 if modes[j] == "checkpoint+offload" else end
+                trigger[j] = start + self.bwd_ms[m][i] / 2 if modes[j] in _CKPT_OFFLOADED else end
             c = end
         return c + o["bwd_pre_ms"]
 
@@ -382,13 +390,17 @@ def _compose(probes, timed, n, rates, device):
     t = timed["none"]
     fwd = [t.elapsed_ms(f"f{i}", f"f{i + 1}") for i in range(n)]
     bwd = [t.elapsed_ms(f"b{i + 1}", f"b{i}") for i in range(n)]
-    recompute = list(fwd)
-    if device.type == "cuda" and "checkpoint" in probes:
-        c = probes["checkpoint"]
-        recompute = [max(0.0, c.elapsed_ms(f"b{i + 1}", f"b{i}") - bwd[i]) for i in range(n)]
+    def recompute(m):
+        # The attention policy's recompute leaves attention out: timed in its own run (which also
+        # holds any wait for its reloads); the others as the plain checkpoint's.
+        run = m if m == "checkpoint+offload+attention" else "checkpoint"
+        if device.type != "cuda" or run not in probes:
+            return fwd
+        return [max(0.0, probes[run].elapsed_ms(f"b{i + 1}", f"b{i}") - bwd[i]) for i in range(n)]
+
     for m in probes:
         fwd_ms[m] = list(fwd)
-        bwd_ms[m] = [b + r for b, r in zip(bwd, recompute)] if m in _CHECKPOINTED else list(bwd)
+        bwd_ms[m] = [b + r for b, r in zip(bwd, recompute(m))] if m in _CHECKPOINTED else list(bwd)
     modes = [m for m in BLOCK_MODES if m in probes]
     measured = [(d, h) for d, h in rates if d and h]
     d2h = min(d for d, _ in measured) if measured else 1.0
@@ -518,8 +530,9 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
     backpropagate (default: output.loss when there is one, else the mean of the squared output).
     The budget is the peak device memory of a training step including weights, gradients (kept
     allocated) and inputs: max_memory_allocated on a GPU, ckpt_offload.testing.LiveBytes on the CPU
-    test path. modes: the modes to choose from (default: all of BLOCK_MODES; on a CPU without
-    CKPT_OFFLOAD_TEST_CPU=1, those without offload, as CPU tensors are not offloaded there).
+    test path. modes: the modes to choose from (default: all of BLOCK_MODES, the attention one where
+    this torch has selective offload; on a CPU without CKPT_OFFLOAD_TEST_CPU=1, those without
+    offload, as CPU tensors are not offloaded there).
     verbose: one line per profiled mode and the choice, on stderr.
     Profiling runs a few forward/backward steps on the batch; .grad is left allocated and zeroed.
     Raises ValueError naming the smallest feasible budget when nothing fits.
@@ -534,7 +547,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
     if not isinstance(verbose, bool):
         raise TypeError(f"plan_memory: verbose must be True or False, got {verbose!r}")
     if modes is None:
-        modes = list(BLOCK_MODES)
+        modes = [m for m in BLOCK_MODES if m != "checkpoint+offload+attention" or policies.HAS_OFFLOAD_POLICY]
         params = list(model.parameters())
         if (not params or params[0].device.type == "cpu") and not test_cpu_enabled():
             # CPU tensors are never offloaded outside the test path: those modes would move nothing.

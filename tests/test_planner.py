@@ -242,11 +242,42 @@ def test_offload_mode_recomputes_nothing_and_sends_every_saved_activation():
     assert counts["offload"] == counts["none"] < counts["checkpoint"]
 
 
+class _CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_attention_mode_offloads_attention_outputs_instead_of_recomputing_them():
+    model = make_model(layers=4, hidden=32, heads=4, max_len=32)
+    ids = make_batch(batch=2, seq=32)
+    reference = step_grads(model, ids)
+    seen = {}
+    for mode in ("checkpoint+offload", "checkpoint+offload+attention"):
+        ckpt_offload.enable_block_modes(model, [mode] * 4)
+        loss_of(model, ids).backward()
+        ckpt_offload.reset_stats()
+        with _CountAttention() as c:
+            got = step_grads(model, ids)
+        seen[mode] = (c.n, ckpt_offload.stats()["bytes_offloaded"])
+        ckpt_offload.disable_checkpointing(model)
+        assert all(torch.equal(got[k], reference[k]) for k in reference), mode
+    assert seen["checkpoint+offload"][0] == 8 and seen["checkpoint+offload+attention"][0] == 4  # 4 recomputed
+    # Beside each block's input (2 x 32 x 32 fp32), its attention output and logsumexp went to the host.
+    assert seen["checkpoint+offload"][1] == 4 * 2 * 32 * 32 * 4
+    assert seen["checkpoint+offload+attention"][1] >= seen["checkpoint+offload"][1] + 4 * 2 * 32 * 32 * 4
+
+
 def test_apply_is_undone_by_disable_checkpointing(profiled):
     model, _, _, _, plan0 = profiled
-    plan = MemoryPlan(["offload", "checkpoint+offload", "checkpoint", "none", "offload"], 1, 1.0, 1)
+    plan = MemoryPlan(["offload", "checkpoint+offload", "checkpoint", "none", "checkpoint+offload+attention"], 1, 1.0, 1)
     assert plan.apply(model) == plan.modes
-    assert ckpt_offload.checkpointing_state(model) == ([1, 2], [0, 1, 4])
+    assert ckpt_offload.checkpointing_state(model) == ([1, 2, 4], [0, 1, 4])
     assert all("forward" in b.__dict__ for i, b in enumerate(model.blocks) if i != 3)
     ckpt_offload.disable_checkpointing(model)
     assert ckpt_offload.checkpointing_state(model) is None
