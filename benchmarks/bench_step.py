@@ -567,7 +567,8 @@ def finish_length_args(a, p, config):
 
 
 # -- --budget: the configuration plan_memory chooses, beside the uniform ones ----------------------
-UNIFORM = ["none", "full", "every2", "every4", "async_offload", "every2_async"]
+# One setting for every block (enable_checkpointing's every_n_layers / offload / policy): the comparison.
+UNIFORM = ["none", "full", "every2", "every4", "async_offload", "every2_async", "attn_offload"]
 
 
 def plan_length(model, ids, a, runnable, seq):

@@ -106,7 +106,7 @@ PYEOF
   ) || { echo "no async_offload and every2 peaks in the step stage's JSON: no budget to plan for"; return 4; }
   echo "budget: $budget bytes (seq ${SEQS%%,*})"
   "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "${SEQS%%,*}" --steps 3 \
-    --modes none,full,every2,every4,async_offload,every2_async --budget "$budget" --out "$OUT/budget"
+    --modes none,full,every2,every4,async_offload,every2_async,attn_offload --budget "$budget" --out "$OUT/budget"
 }
 
 summary() {
