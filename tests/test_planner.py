@@ -410,10 +410,11 @@ def test_bench_step_budget_runs_the_plan_beside_the_uniform_configurations(tmp_p
     def peak(r):
         return r["live_peak_bytes"] + r["base_bytes"]
 
-    _, first = run("uniform", "--modes", "async_offload,every2")
+    _, first = run("uniform", "--modes", "async_offload,every2", "--lengths", "off")
     by = {r["mode"]: r for r in first["rows"]}
     budget = (peak(by["async_offload"]) + peak(by["every2"])) // 2  # as scripts/gpu_check.sh chooses it
-    p, result = run("planned", "--modes", "none,full,every2,every4,async_offload,every2_async", "--budget", str(budget))
+    p, result = run("planned", "--modes", "none,full,every2,every4,async_offload,every2_async", "--budget", str(budget),
+                    "--lengths", "off")
     assert result["problems"] == []
     planned = next(r for r in result["rows"] if r["mode"] == "planned")
     assert len(planned["plan_modes"]) == 4 and planned["predicted_peak_bytes"] <= budget
