@@ -319,7 +319,7 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
         if hf_layers:
             _set(saved, blocks[i], "gradient_checkpointing", True)
             ckpt_kwargs = {} if context is None else {"context_fn": context}
-            _set(saved, blocks[i], "_gradient_checkpointing_func", checkpoint_function(session, keep, **ckpt_kwargs))
+            _set(saved, blocks[i], "_gradient_checkpointing_func", layer_checkpoint_function(session, keep, **ckpt_kwargs))
         else:
             _set(saved, blocks[i], "forward", _wrap(blocks[i], session, keep, context))
     for i in plain_offloaded:
