@@ -160,7 +160,8 @@ def test_each_rule_is_load_bearing(monkeypatch, brk, scenario, hazard):
     assert pool.stats()["in_use_bytes"] == 0
 
     broken = engines(brk)
-    with pytest.raises(RuntimeError, match=r"ckpt_offload hazard \(async-sim\): " + re.escape(hazard) + r": handle #\d+;"):
+    message = r"ckpt_offload hazard \(async-sim\): " + re.escape(hazard) + r": handle #\d+;"
+    with pytest.raises(RuntimeError, match=message):
         scenario(*broken)
     for eng in broken:
         eng.synchronize()
