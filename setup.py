@@ -57,7 +57,10 @@ macros = [("CKPT_OFFLOAD_TORCH_VERSION", f'"{torch.__version__}"')]
 if with_cuda:
     macros.append(("CKPT_OFFLOAD_WITH_CUDA", None))
 
-sources = [os.path.join("csrc", f) for f in ("bindings.cpp", "copy_engine.cpp", "host_pool.cpp", "cuda_util.cpp")]
+sources = [os.path.join("csrc", f) for f in (
+    "bindings.cpp", "copy_engine.cpp", "runtime.cpp", "runtime_sim.cpp", "runtime_cuda.cpp", "host_pool.cpp",
+    "cuda_util.cpp",
+)]
 Extension = CUDAExtension if with_cuda else CppExtension
 ext = Extension(
     "ckpt_offload._C",

@@ -25,9 +25,12 @@ __version__ = "0.1.0"
 
 def build_info():
     """How the compiled core was built: torch_version, cuda_version (None host-only), with_cuda;
-    plus cuda_usable: whether a driver and a device are there now."""
+    plus cuda_usable: whether a driver and a device are there now, and test_path: the runtime a CPU
+    engine created now gets ("off", "sync" with CKPT_OFFLOAD_TEST_CPU=1, "async-sim" with
+    CKPT_OFFLOAD_TEST_ASYNC=1 too). Engines read the switches when they are created."""
     info = dict(_C.build_info())
     info["cuda_usable"] = _C.cuda_usable()
+    info["test_path"] = _C.test_path()
     return info
 
 

@@ -186,9 +186,10 @@ class OffloadSession:
     # -- the hooks -----------------------------------------------------------------------------
     def hooks(self, keep=False):
         """Hooks that offload; with keep=True they keep tensors on the device but still mark the
-        point where backward reaches them, so the reloads of earlier tensors start there."""
+        point where backward reaches them, so the reloads of earlier tensors start there. When the
+        context ends (the layer's forward is over), its sources go back to the allocator."""
         self.next_layer()
-        return torch.autograd.graph.saved_tensors_hooks(self.pack_kept if keep else self.pack, self.unpack)
+        return _LayerHooks(self, self.pack_kept if keep else self.pack, self.unpack)
 
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
@@ -550,6 +551,20 @@ def _untrack(session):
         _trackers.remove(session)
         if not _trackers:
             _tracker_hook.remove()
+
+
+class _LayerHooks(torch.autograd.graph.saved_tensors_hooks):
+    """saved_tensors_hooks that hand the layer's sources back when its forward ends: their copies
+    have had the whole layer to finish, so the compute stream seldom waits for them, and the last
+    layer's inputs are not held into backward."""
+
+    def __init__(self, session, pack, unpack):
+        super().__init__(pack, unpack)
+        self._session = session
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._session.poll()
 
 
 def _storage_ptr(t):

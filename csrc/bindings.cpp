@@ -97,6 +97,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
     return d;
   });
+  m.def("test_path", &test_path_from_env,
+        "The runtime a CPU engine created now gets: 'off' (CKPT_OFFLOAD_TEST_CPU unset), 'sync', or "
+        "'async-sim' (CKPT_OFFLOAD_TEST_ASYNC=1)");
   m.def("cuda_usable", &cuda_runtime_usable,
         "True when the extension has CUDA and a driver with at least one device is present");
   m.def("set_profiling", &CopyEngine::set_profiling, py::arg("on"));
@@ -121,11 +124,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "pinned=None pins when CUDA is usable; pinned=True raises when it is not")
       .def(
           "acquire",
-          [](HostPool& p, int64_t nbytes, bool wait) {
-            return p.acquire(checked_size(nbytes, "acquire: nbytes"), wait);
-          },
-          py::arg("nbytes"), py::arg("wait") = true, release_gil(),
-          "A block of at least nbytes, or None when the capacity cap or the system refuses")
+          // Always waits on the host for a copy that may still read a reused block: Python has no
+          // stream to order its own writes after that copy.
+          [](HostPool& p, int64_t nbytes) { return p.acquire(checked_size(nbytes, "acquire: nbytes"), true); },
+          py::arg("nbytes"), release_gil(),
+          "A block of at least nbytes, or None when the capacity cap or the system refuses; waits for any copy "
+          "still reading a reused block")
       .def(
           "reserve",
           [](HostPool& p, int64_t nbytes, int64_t count) {
@@ -189,8 +193,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("dtype", [](const OffloadHandle& h) { return h.dtype(); })
       .def_property_readonly("device", [](const OffloadHandle& h) { return h.device(); })
       .def_property_readonly("compacted", &OffloadHandle::compacted)
+      .def_property_readonly("id", &OffloadHandle::id, "Serial number, named by hazard errors of the simulated runtime")
       .def("host_bytes", [](OffloadHandle& h) -> py::object {
-        at::Tensor t = h.host_bytes();
+        at::Tensor t;
+        {
+          py::gil_scoped_release no_gil;  // waits for the copy to the host
+          t = h.host_bytes();
+        }
         if (!t.defined()) return py::none();
         return py::cast(t);
       });
@@ -212,14 +221,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("poll", &CopyEngine::poll, release_gil())
       .def(
           "release_sources",
-          [](CopyEngine& e, int64_t keep) {
-            TORCH_CHECK_VALUE(keep >= 0, "release_sources: keep must be >= 0, got ", keep);
+          [](CopyEngine& e, int64_t keep_bytes) {
+            TORCH_CHECK_VALUE(keep_bytes >= 0, "release_sources: keep_bytes must be >= 0, got ", keep_bytes);
             py::gil_scoped_release no_gil;
-            return e.release_sources(static_cast<size_t>(keep));
+            return e.release_sources(static_cast<size_t>(keep_bytes));
           },
-          py::arg("keep") = 0,
-          "Hands sources back to the allocator, all but the newest `keep`; unfinished copies are waited for "
-          "on the producing stream, not on the host. Returns how many are still held")
+          py::arg("keep_bytes") = 0,
+          "Hands sources back to the allocator, all but those with fewer than keep_bytes of later copies queued "
+          "after them; unfinished copies are waited for on the producing stream, not on the host. Returns how "
+          "many are still held")
       .def("synchronize", &CopyEngine::synchronize, release_gil())
       .def("stats",
            [](CopyEngine& e) {
@@ -233,7 +243,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_stats", &CopyEngine::reset_stats, release_gil())
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("pool", &CopyEngine::pool)
-      .def_property_readonly("uses_cuda", &CopyEngine::uses_cuda);
+      .def_property_readonly("uses_cuda", &CopyEngine::uses_cuda)
+      .def_property_readonly("runtime", &CopyEngine::runtime_name, "'cuda', 'sync' or 'async-sim'")
+      .def_readonly_static("HAND_BACK_BYTES", &CopyEngine::kHandBackBytes,
+                           "offload() hands back sources with at least this many bytes of copies queued after them");
 
   m.def("engine_for", &CopyEngine::for_device, py::arg("device"),
         "The process-wide engine of a device (created on first use), sharing the global pool");

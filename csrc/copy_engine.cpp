@@ -1,22 +1,19 @@
-// Copy engine: offload / prefetch / fetch / release of one tensor through a pool block.
-// CUDA tensors use the engine's own streams and events; everything else copies synchronously.
+// Copy engine: offload / prefetch / fetch / release of one tensor through a pool block, ordered by
+// the streams and events of its runtime (runtime.h); the same protocol on CUDA, on the host, and
+// on the simulated asynchronous runtime.
 #include "copy_engine.h"
 
-#include <chrono>
+#include <c10/core/DeviceGuard.h>
+
 #include <cstdio>
 #include <map>
-
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace ckpt_offload {
 
 namespace {
 
 std::atomic<bool> g_profiling{false};
+std::atomic<uint64_t> g_next_handle{1};
 
 std::mutex& registry_mutex() {
   static std::mutex mu;
@@ -38,19 +35,6 @@ int64_t span_elems(const at::Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   return last + 1;
 }
-
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-cudaStream_t as_cuda(void* s) { return static_cast<cudaStream_t>(s); }
-
-// A graph replay cannot follow the host-side bookkeeping (pool blocks, polled sources), and
-// pinned allocation is illegal while capturing: refuse clearly instead of recording garbage.
-void check_not_capturing(cudaStream_t stream, const char* what) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  CKPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "ckpt_offload: ", what,
-              " during CUDA graph capture is not supported; run the captured region without offload");
-}
-#endif
 
 void check_offloadable(const at::Tensor& t, const c10::Device& engine_device) {
   TORCH_CHECK_VALUE(t.defined(), "offload: tensor is undefined");
@@ -91,6 +75,9 @@ const char* state_name(HandleState s) {
 // ---------------------------------------------------------------------------------------------
 // OffloadHandle
 
+OffloadHandle::OffloadHandle(std::shared_ptr<CopyEngine> engine)
+    : engine_(std::move(engine)), id_(g_next_handle.fetch_add(1)) {}
+
 OffloadHandle::~OffloadHandle() {
   try {
     std::vector<at::Tensor> garbage;
@@ -112,6 +99,8 @@ HandleState OffloadHandle::state() {
 }
 
 at::Tensor OffloadHandle::host_bytes() {
+  // A testing aid, so it may wait on the host: the bytes are only there once the copy has run.
+  if (d2h_done_) d2h_done_->synchronize();
   std::lock_guard<std::mutex> lock(engine_->mu_);
   if (!block_) return at::Tensor();
   auto block = block_;
@@ -122,46 +111,31 @@ at::Tensor OffloadHandle::host_bytes() {
 // ---------------------------------------------------------------------------------------------
 // CopyEngine: construction and registry
 
+namespace {
+std::unique_ptr<CopyRuntime> checked_runtime(const c10::Device& device, const std::shared_ptr<HostPool>& pool,
+                                             Break broken) {
+  TORCH_CHECK_VALUE(pool != nullptr, "CopyEngine: pool must not be None");
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "CopyEngine: device must be cpu or cuda, got ", device);
+  return make_runtime(device, broken);
+}
+}  // namespace
+
 CopyEngine::CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool)
-    : device_(device), pool_(std::move(pool)),
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-      cuda_(device.is_cuda() && cuda_runtime_usable())
-#else
-      cuda_(false)
-#endif
-{
-  TORCH_CHECK_VALUE(pool_ != nullptr, "CopyEngine: pool must not be None");
-  TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "CopyEngine: device must be cpu or cuda, got ", device_);
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    TORCH_CHECK_VALUE(device_.has_index(), "CopyEngine: a CUDA device needs an index, got ", device_);
-    c10::cuda::CUDAGuard guard(device_.index());  // streams belong to this engine's device
-    cudaStream_t d2h = nullptr, h2d = nullptr;
-    CKPT_CUDA_CHECK(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking));
-    CKPT_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking));
-    d2h_stream_ = d2h;
-    h2d_stream_ = h2d;
-    if (!pool_->pinned()) {
-      TORCH_WARN("CopyEngine(", device_, "): the pool is not pinned, so every copy to it is synchronous ",
-                 "and cannot overlap compute; use HostPool() (pinned when CUDA is usable)");
-    }
+    : device_(device), pool_(std::move(pool)), broken_(break_from_env()),
+      rt_(checked_runtime(device_, pool_, broken_)), cuda_(std::string(rt_->name()) == "cuda") {
+  if (cuda_ && !pool_->pinned()) {
+    TORCH_WARN("CopyEngine(", device_, "): the pool is not pinned, so every copy to it is synchronous ",
+               "and cannot overlap compute; use HostPool() (pinned when CUDA is usable)");
   }
-#endif
 }
 
 CopyEngine::~CopyEngine() {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    int previous = -1;
-    CKPT_CUDA_CHECK_WARN(cudaGetDevice(&previous));
-    CKPT_CUDA_CHECK_WARN(cudaSetDevice(device_.index()));
-    CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(d2h_stream_)));
-    CKPT_CUDA_CHECK_WARN(cudaStreamSynchronize(as_cuda(h2d_stream_)));
-    CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(d2h_stream_)));
-    CKPT_CUDA_CHECK_WARN(cudaStreamDestroy(as_cuda(h2d_stream_)));
-    if (previous >= 0) CKPT_CUDA_CHECK_WARN(cudaSetDevice(previous));
+  // Copies still queued read sources and write blocks this engine holds: finish them first.
+  try {
+    rt_->synchronize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckpt_offload warning: finishing the copies of an engine failed: %s\n", e.what());
   }
-#endif
 }
 
 std::shared_ptr<CopyEngine> CopyEngine::create(c10::Device device, std::shared_ptr<HostPool> pool) {
@@ -171,11 +145,7 @@ std::shared_ptr<CopyEngine> CopyEngine::create(c10::Device device, std::shared_p
 c10::Device CopyEngine::with_index(c10::Device device) {
   // "cuda" means the current device, as it does for tensors.
   if (device.is_cuda() && !device.has_index()) {
-    int current = 0;
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-    if (cuda_runtime_usable()) CKPT_CUDA_CHECK(cudaGetDevice(&current));
-#endif
-    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(current));
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(current_cuda_device()));
   }
   return device;
 }
@@ -239,48 +209,29 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     return h;
   }
 
-  std::shared_ptr<HostBlock> block;
-  CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling, CUDA: the copy's two events
-  c10::Stream producer_stream(c10::Stream::DEFAULT, device_);  // CUDA: the stream current at this call
-  double host_copy_ms = -1.0;                          // profiling, host path: the copy's duration
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());  // events, copies and pinning on this device
-    // The current stream, looked up now: it is the one that produced the tensor for this call.
-    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
-    cudaStream_t compute = current.stream();
-    check_not_capturing(compute, "offload");
-    producer_stream = current.unwrap();
-    block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
-    if (block) {
-      cudaStream_t d2h = as_cuda(d2h_stream_);
-      auto ready = std::make_shared<CudaEvent>();
-      ready->record(compute);
-      ready->block(d2h);
-      if (block->pending()) block->pending()->block(d2h);  // a reload may still read this block
-      // Profiling: an event after the waits marks when the copy itself starts on its stream.
-      const bool timed = g_profiling.load();
-      EventPtr start = timed ? std::make_shared<CudaEvent>(/*timing=*/true) : nullptr;
-      if (start) start->record(d2h);
-      CKPT_CUDA_CHECK(cudaMemcpyAsync(block->data(), src.data_ptr(), h->nbytes_, cudaMemcpyDeviceToHost, d2h));
-      auto done = std::make_shared<CudaEvent>(/*timing=*/timed);
-      done->record(d2h);
-      if (start) copy_sample = CopySample{start, done, h->nbytes_, true};
-      h->d2h_done_ = done;
-      block->set_last_use(done);
-      h->state_ = HandleState::kOffloading;
-    }
-  } else
-#endif
-  {
-    block = pool_->acquire(h->nbytes_, /*wait_host=*/true);
-    if (block) {
-      auto host = at::from_blob(block->data(), {span}, at::TensorOptions().dtype(src.scalar_type()));
-      const auto t0 = std::chrono::steady_clock::now();
-      host.copy_(src.as_strided({span}, {1}, src.storage_offset()));
-      host_copy_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      h->state_ = HandleState::kOnHost;
-    }
+  c10::OptionalDeviceGuard guard;  // events, copies and pinning on this engine's device
+  if (cuda_) guard.reset_device(device_);
+  // The current stream, looked up now: it is the one that produced the tensor for this call.
+  const c10::Stream compute = rt_->current_stream();
+  rt_->check_usable(compute, "offload");
+  std::shared_ptr<HostBlock> block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
+  CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling: the copy's two events
+  if (block) {
+    const c10::Stream& d2h = rt_->d2h_stream();
+    // The copy reads what the compute stream produced up to now.
+    if (!broken(Break::kD2HWait)) rt_->wait(d2h, rt_->record(compute));
+    // A copy may still read this block (a reload by another stream): write after it. This is
+    // the block's last-use gating; the pool hands busy blocks to writers that order themselves.
+    if (block->pending() && !broken(Break::kLastUse)) rt_->wait(d2h, block->pending());
+    // Profiling: an event after the waits marks when the copy itself starts on its stream.
+    const bool timed = g_profiling.load();
+    EventPtr start = timed ? rt_->record(d2h, /*timing=*/true) : nullptr;
+    rt_->copy(d2h, block->data(), src.data_ptr(), h->nbytes_, h->id_);
+    EventPtr done = rt_->record(d2h, /*timing=*/timed);
+    if (start) copy_sample = CopySample{start, done, h->nbytes_, true};
+    h->d2h_done_ = done;
+    block->set_last_use(done);
+    h->state_ = event_done(done) ? HandleState::kOnHost : HandleState::kOffloading;
   }
 
   std::lock_guard<std::mutex> lock(mu_);
@@ -291,15 +242,15 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   if (copy_sample.start) {
     copy_samples_.push_back(std::move(copy_sample));
     if (copy_samples_.size() > 4096) fold_samples_locked();  // stats() never called
-  } else if (host_copy_ms >= 0.0 && g_profiling.load()) {
-    note_copy_locked(/*d2h=*/true, h->nbytes_, host_copy_ms);
   }
+  queued_bytes_ += h->nbytes_;
   if (h->state_ == HandleState::kOffloading) {
     // The source must outlive its copy: held until the copy's event completes (poll), or handed
-    // back in stream order once newer offloads have followed it (release_sources_locked).
-    pending_.push_back({h->d2h_done_, src, producer_stream});
+    // back in stream order once enough later copies were queued behind it, or when its layer's
+    // forward ends (release_sources_locked).
+    pending_.push_back({h->d2h_done_, src, compute, h->id_, queued_bytes_});
   }
-  release_sources_locked(kKeepPending, garbage);
+  release_sources_locked(kHandBackBytes, garbage);
   h->block_ = std::move(block);
   st_.compacted += compact ? 1 : 0;
   st_.tensors_offloaded += 1;
@@ -315,15 +266,10 @@ void CopyEngine::refresh_state_locked(OffloadHandle& h) {
 }
 
 at::Tensor CopyEngine::allocate_dest(const OffloadHandle& h) {
-  const at::TensorOptions opts = at::TensorOptions().dtype(h.dtype_).device(h.device_);
-#ifdef CKPT_OFFLOAD_WITH_CUDA
   // On the current stream of the handle's device: the memory belongs to the stream that uses it.
-  if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());
-    return at::empty({h.span_elems_}, opts);
-  }
-#endif
-  return at::empty({h.span_elems_}, opts);
+  c10::OptionalDeviceGuard guard;
+  if (cuda_) guard.reset_device(device_);
+  return at::empty({h.span_elems_}, at::TensorOptions().dtype(h.dtype_).device(h.device_));
 }
 
 bool CopyEngine::needs_reload(const HandlePtr& h) {
@@ -348,40 +294,25 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
     h.state_ = HandleState::kPrefetching;
     return;
   }
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());
-    auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
-    check_not_capturing(compute.stream(), "reload");
-    h.dest_stream_ = compute.unwrap();
-    cudaStream_t h2d = as_cuda(h2d_stream_);
-    // The copy waits for the allocation point (earlier users of that memory on the compute
-    // stream) and for this tensor's own offload, which may still be running.
-    auto allocated = std::make_shared<CudaEvent>();
-    allocated->record(compute.stream());
-    allocated->block(h2d);
-    if (h.d2h_done_) h.d2h_done_->block(h2d);
-    const bool timed = g_profiling.load();
-    EventPtr start = timed ? std::make_shared<CudaEvent>(/*timing=*/true) : nullptr;
-    if (start) start->record(h2d);
-    CKPT_CUDA_CHECK(cudaMemcpyAsync(h.dest_.data_ptr(), h.block_->data(), h.nbytes_, cudaMemcpyHostToDevice, h2d));
-    auto done = std::make_shared<CudaEvent>(/*timing=*/timed);
-    done->record(h2d);
-    h.h2d_done_ = done;
-    h.block_->set_last_use(done);
-    if (start) {
-      copy_samples_.push_back({start, done, h.nbytes_, false});
-      if (copy_samples_.size() > 4096) fold_samples_locked();
-    }
-  } else
-#endif
-  {
-    const auto t0 = std::chrono::steady_clock::now();
-    h.dest_.copy_(at::from_blob(h.block_->data(), {h.span_elems_}, at::TensorOptions().dtype(h.dtype_)));
-    if (g_profiling.load()) {
-      note_copy_locked(/*d2h=*/false, h.nbytes_,
-                       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
+  c10::OptionalDeviceGuard guard;
+  if (cuda_) guard.reset_device(device_);
+  const c10::Stream compute = rt_->current_stream();
+  rt_->check_usable(compute, "reload");
+  h.dest_stream_ = compute;
+  const c10::Stream& h2d = rt_->h2d_stream();
+  // The copy waits for the allocation point (earlier users of that memory on the compute
+  // stream) and for this tensor's own offload, which may still be running.
+  rt_->wait(h2d, rt_->record(compute));
+  if (!broken(Break::kReloadWait)) rt_->wait(h2d, h.d2h_done_);
+  const bool timed = g_profiling.load();
+  EventPtr start = timed ? rt_->record(h2d, /*timing=*/true) : nullptr;
+  rt_->copy(h2d, h.dest_.data_ptr(), h.block_->data(), h.nbytes_, h.id_);
+  EventPtr done = rt_->record(h2d, /*timing=*/timed);
+  h.h2d_done_ = done;
+  h.block_->set_last_use(done);  // a later writer of the block orders itself after this read
+  if (start) {
+    copy_samples_.push_back({start, done, h.nbytes_, false});
+    if (copy_samples_.size() > 4096) fold_samples_locked();
   }
   h.state_ = HandleState::kPrefetching;
   st_.tensors_prefetched += 1;
@@ -419,27 +350,21 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
                 "fetch: the handle was released; expected state offloading, on_host or prefetching");
     if (h->state_ != HandleState::kPrefetching && h->nbytes_ > 0) st_.reloads_on_demand += 1;
     prefetch_locked(*h, std::move(fresh));
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-    if (cuda_ && h->h2d_done_) {
-      c10::cuda::CUDAGuard guard(device_.index());
-      auto current = c10::cuda::getCurrentCUDAStream(device_.index());
+    if (h->h2d_done_) {
+      c10::OptionalDeviceGuard guard;
+      if (cuda_) guard.reset_device(device_);
+      const c10::Stream current = rt_->current_stream();
       const bool profile = g_profiling.load();
-      EventPtr start, end;
+      EventPtr start = profile ? rt_->record(current, /*timing=*/true) : nullptr;
+      if (!broken(Break::kFetchWait)) rt_->wait(current, h->h2d_done_);
       if (profile) {
-        start = std::make_shared<CudaEvent>(/*timing=*/true);
-        start->record(current.stream());
-      }
-      h->h2d_done_->block(current.stream());
-      if (profile) {
-        end = std::make_shared<CudaEvent>(/*timing=*/true);
-        end->record(current.stream());
-        wait_samples_.push_back({start, end});
+        wait_samples_.push_back({start, rt_->record(current, /*timing=*/true)});
         if (wait_samples_.size() > 4096) fold_samples_locked();  // stats() never called
       }
-      other_stream = current.unwrap() != h->dest_stream_;
-      current_stream = current.unwrap();
+      other_stream = current != h->dest_stream_;
+      current_stream = current;
     }
-#endif
+    if (h->dest_.defined()) rt_->check_fetched(h->dest_.data_ptr(), h->nbytes_, h->id_);
     dest = std::move(h->dest_);
     h->dest_ = at::Tensor();
     block = std::move(h->block_);  // back to the pool, tagged with the reload's event
@@ -458,13 +383,12 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
 void CopyEngine::release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage) {
   if (h.state_ == HandleState::kReleased) return;
   if (h.state_ != HandleState::kFetched) st_.tensors_released += 1;
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_ && h.state_ == HandleState::kPrefetching && h.h2d_done_) {
+  if (h.state_ == HandleState::kPrefetching && h.h2d_done_) {
     // The reload may still be writing dest: its stream must not reuse the memory before that.
-    c10::cuda::CUDAGuard guard(device_.index());
-    h.h2d_done_->block(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, h.dest_stream_).stream());
+    c10::OptionalDeviceGuard guard;
+    if (cuda_) guard.reset_device(device_);
+    rt_->wait(h.dest_stream_, h.h2d_done_);
   }
-#endif
   if (h.dest_.defined()) garbage.push_back(std::move(h.dest_));
   h.dest_ = at::Tensor();
   h.block_.reset();  // the block carries the event of the last copy that touched it
@@ -491,50 +415,30 @@ void CopyEngine::poll_locked(std::vector<at::Tensor>& garbage) {
   }
 }
 
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-// The stream-ordered hand-back below relies on the native caching allocator: a freed block goes
-// back to its allocating stream, and recordStream on that stream is a no-op. Other backends
-// (cudaMallocAsync) keep the sources until the host sees their copies complete.
-static bool native_cuda_allocator() {
-  static const bool native = c10::cuda::CUDACachingAllocator::get()->name() == "native";
-  return native;
-}
-#endif
-
-void CopyEngine::release_sources_locked(size_t keep, std::vector<at::Tensor>& garbage) {
+void CopyEngine::release_sources_locked(size_t keep_bytes, std::vector<at::Tensor>& garbage) {
   poll_locked(garbage);
-  while (pending_.size() > keep) {
+  while (!pending_.empty() && queued_bytes_ - pending_.front().queued_end >= keep_bytes) {
     PendingSource& p = pending_.front();
-#ifdef CKPT_OFFLOAD_WITH_CUDA
     if (!event_done(p.done)) {
-      if (!native_cuda_allocator()) break;  // held until poll sees the copy complete
-      // The producing stream waits for the copy. The caching allocator hands freed memory out
-      // again on the stream that allocated it: normally this same stream, so whatever reuses the
-      // memory runs after the copy read it. A tensor allocated on another stream (a side-stream
-      // input) gets this stream recorded as a user, so the allocator keeps the memory until this
-      // point has run; for the allocating stream itself, and for memory the allocator did not
-      // hand out, the record is a no-op.
-      c10::cuda::CUDAGuard guard(device_.index());
-      const c10::cuda::CUDAStream producer(c10::cuda::CUDAStream::UNCHECKED, p.stream);
-      p.done->block(producer.stream());
-      at::Tensor tensor = std::move(p.tensor);
-      pending_.pop_front();
-      if (tensor.has_storage()) {
-        c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), producer);
-      }
-      garbage.push_back(std::move(tensor));
-      continue;
+      if (!rt_->frees_in_stream_order(p.tensor)) break;  // held until poll sees the copy complete
+      // The producing stream waits for the copy; whatever reuses the memory after the reference
+      // is dropped is ordered after that wait (see CopyRuntime::frees_in_stream_order). A tensor
+      // allocated on another stream (a side-stream input) gets the producer recorded as a user.
+      c10::OptionalDeviceGuard guard;
+      if (cuda_) guard.reset_device(device_);
+      if (!broken(Break::kSourceWait)) rt_->wait(p.stream, p.done);
+      rt_->record_use(p.tensor, p.stream);
     }
-#endif
+    rt_->check_source_release(p.tensor, p.handle);
     garbage.push_back(std::move(p.tensor));
     pending_.pop_front();
   }
 }
 
-size_t CopyEngine::release_sources(size_t keep) {
+size_t CopyEngine::release_sources(size_t keep_bytes) {
   std::vector<at::Tensor> garbage;
   std::lock_guard<std::mutex> lock(mu_);
-  release_sources_locked(keep, garbage);
+  release_sources_locked(keep_bytes, garbage);
   return pending_.size();
 }
 
@@ -546,13 +450,7 @@ size_t CopyEngine::poll() {
 }
 
 void CopyEngine::synchronize() {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_) {
-    c10::cuda::CUDAGuard guard(device_.index());
-    CKPT_CUDA_CHECK(cudaStreamSynchronize(as_cuda(d2h_stream_)));
-    CKPT_CUDA_CHECK(cudaStreamSynchronize(as_cuda(h2d_stream_)));
-  }
-#endif
+  rt_->synchronize();
   poll();
 }
 
@@ -569,12 +467,11 @@ void CopyEngine::note_copy_locked(bool d2h, size_t bytes, double ms) {
 }
 
 void CopyEngine::fold_samples_locked() {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
   // Fold finished measurements into the totals; unfinished ones stay for the next call.
   std::vector<WaitSample> open;
   for (auto& s : wait_samples_) {
-    if (s.end->query()) {
-      st_.reload_wait_ms += s.end->elapsed_ms_since(*s.start);
+    if (event_done(s.end)) {
+      st_.reload_wait_ms += rt_->elapsed_ms(s.start, s.end);
       st_.reload_waits_measured += 1;
     } else {
       open.push_back(s);
@@ -583,14 +480,13 @@ void CopyEngine::fold_samples_locked() {
   wait_samples_.swap(open);
   std::vector<CopySample> open_copies;
   for (auto& s : copy_samples_) {
-    if (s.end->query()) {
-      note_copy_locked(s.d2h, s.bytes, s.end->elapsed_ms_since(*s.start));
+    if (event_done(s.end)) {
+      note_copy_locked(s.d2h, s.bytes, rt_->elapsed_ms(s.start, s.end));
     } else {
       open_copies.push_back(s);
     }
   }
   copy_samples_.swap(open_copies);
-#endif
 }
 
 EngineStats CopyEngine::stats() {

@@ -1,5 +1,6 @@
 // The copy engine: moves a tensor into a pool block on its own device-to-host stream and back on
-// its own host-to-device stream, ordered against the compute stream with events only.
+// its own host-to-device stream, ordered against the compute stream with events only. The streams
+// and events come from a CopyRuntime (runtime.h): CUDA, host-synchronous, or simulated.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "host_pool.h"
+#include "runtime.h"
 
 namespace ckpt_offload {
 
@@ -28,7 +30,7 @@ struct EngineStats {
   uint64_t tensors_released = 0;  // handles given up without a fetch
   uint64_t offloads_refused = 0;  // the pool refused a block (cap or system): caller keeps the tensor
   uint64_t compacted = 0;         // non-contiguous inputs with gaps copied densely first
-  uint64_t pending_sources = 0;   // sources still referenced because their copy has not finished
+  uint64_t pending_sources = 0;   // sources still referenced because their copy may not have finished
   double reload_wait_ms = 0.0;    // compute-stream time spent waiting for reloads (profiling only)
   uint64_t reload_waits_measured = 0;
   // Profiling only: time the copies themselves took on their copy streams (events around each
@@ -57,14 +59,18 @@ class OffloadHandle {
   c10::Device device() const { return device_; }
   // True when the input had gaps (a strided slice) and came back contiguous with the same values.
   bool compacted() const { return compacted_; }
-  // The host copy as a uint8 CPU tensor (None-like undefined tensor when not on host). Testing aid.
+  // A process-wide serial number: what errors (the simulated runtime's hazards) name.
+  uint64_t id() const { return id_; }
+  // The host copy as a uint8 CPU tensor (None-like undefined tensor when not on host), once the
+  // copy to the host has completed (a host wait). Testing aid.
   at::Tensor host_bytes();
 
  private:
   friend class CopyEngine;
-  explicit OffloadHandle(std::shared_ptr<CopyEngine> engine) : engine_(std::move(engine)) {}
+  explicit OffloadHandle(std::shared_ptr<CopyEngine> engine);
 
   std::shared_ptr<CopyEngine> engine_;
+  const uint64_t id_;
   at::ScalarType dtype_ = at::kByte;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::vector<int64_t> sizes_, strides_;
@@ -104,11 +110,18 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   void release(const HandlePtr& h);
   // Drops sources whose device-to-host copy has completed; returns how many are still pending.
   size_t poll();
-  // Hands sources back to the caching allocator, all but the newest `keep`: finished ones at
-  // once, unfinished ones after making the stream that produced them wait for their copy (no
-  // host wait). The allocator may then reuse that memory at once, on that stream, after the copy.
-  // Returns how many are still held.
-  size_t release_sources(size_t keep);
+  // Hands sources back to the allocator, all but those with fewer than `keep_bytes` of later copies
+  // queued after them: finished ones at once, unfinished ones after making the stream that
+  // produced them wait for their copy (no host wait). The allocator may then reuse that memory at
+  // once, in that stream's order, after the copy. Returns how many are still held.
+  size_t release_sources(size_t keep_bytes = 0);
+  // offload() hands back by itself every source with at least this many bytes of copies queued
+  // after it: the compute stream has produced those bytes since, so the wait it is given for the
+  // source's copy seldom stalls it (64 MiB is about 2.5 ms of copying at 25 GB/s), and the device
+  // memory held this way stays within this bound plus the newest source. It matters where one
+  // context covers a whole forward (offload_activations, ~17 saved tensors a Llama layer); the
+  // session hands back the rest when a layer's forward ends (OffloadSession.hooks()).
+  static constexpr size_t kHandBackBytes = size_t{64} << 20;
   // Waits for every copy this engine queued (host synchronisation: not for the step's hot path).
   void synchronize();
 
@@ -117,6 +130,8 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   c10::Device device() const { return device_; }
   const std::shared_ptr<HostPool>& pool() const { return pool_; }
   bool uses_cuda() const { return cuda_; }
+  // "cuda", "sync" or "async-sim"
+  const char* runtime_name() const { return rt_->name(); }
 
  private:
   CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool);
@@ -128,25 +143,26 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   at::Tensor allocate_dest(const OffloadHandle& h);
   bool needs_reload(const HandlePtr& h);
   void poll_locked(std::vector<at::Tensor>& garbage);
-  void release_sources_locked(size_t keep, std::vector<at::Tensor>& garbage);
+  void release_sources_locked(size_t keep_bytes, std::vector<at::Tensor>& garbage);
+  bool broken(Break b) const { return broken_ == b; }
   void refresh_state_locked(OffloadHandle& h);
   void fold_samples_locked();
 
   const c10::Device device_;
   const std::shared_ptr<HostPool> pool_;
+  const Break broken_;  // CKPT_OFFLOAD_TEST_BREAK (simulated runtime only)
+  const std::unique_ptr<CopyRuntime> rt_;
   const bool cuda_;
-  void* d2h_stream_ = nullptr;  // cudaStream_t, kept opaque so this header needs no CUDA
-  void* h2d_stream_ = nullptr;
   std::mutex mu_;
   struct PendingSource {
     EventPtr done;
     at::Tensor tensor;
     c10::Stream stream;  // the stream current at offload: the one that produced it
+    uint64_t handle;
+    uint64_t queued_end;  // queued_bytes_ once its copy was queued
   };
-  // Sources kept past their offload before being handed back in stream order: the copy of the
-  // newest ones is still likely running, and the compute stream should not wait for it.
-  static constexpr size_t kKeepPending = 2;
   std::deque<PendingSource> pending_;
+  uint64_t queued_bytes_ = 0;  // bytes of every D2H copy queued so far
   struct WaitSample {
     EventPtr start, end;
   };

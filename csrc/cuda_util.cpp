@@ -1,4 +1,4 @@
-// Checked CUDA calls and the RAII event used by the pool and the copy engine.
+// Checked CUDA calls and the RAII CUDA event used by the pool and the copy engine.
 #include "cuda_util.h"
 
 #include <cstdio>
@@ -32,6 +32,12 @@ bool cuda_runtime_usable() {
     return count > 0;
   }();
   return usable;
+}
+
+int current_cuda_device() {
+  int current = 0;
+  if (cuda_runtime_usable()) CKPT_CUDA_CHECK(cudaGetDevice(&current));
+  return current;
 }
 
 CudaEvent::CudaEvent(bool timing) {

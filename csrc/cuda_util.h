@@ -1,5 +1,6 @@
-// Small CUDA helpers shared by the pool and the copy engine: checked calls and an RAII event.
-// Everything CUDA sits behind CKPT_OFFLOAD_WITH_CUDA so the same sources build host-only.
+// Small helpers shared by the pool and the copy engine: the event interface both order copies by,
+// checked CUDA calls and the RAII CUDA event. Everything CUDA sits behind CKPT_OFFLOAD_WITH_CUDA so
+// the same sources build host-only.
 #pragma once
 
 #include <memory>
@@ -11,6 +12,22 @@
 #endif
 
 namespace ckpt_offload {
+
+// A point in a stream's queue of work, as the copy runtimes (runtime.h) record it: complete once
+// everything queued before it has run. Shared between the pool (a block's last use) and the engine
+// (a handle's copy events), hence always held by shared_ptr. A null EventPtr counts as complete.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Non-blocking: true once all work before the recorded point has run.
+  virtual bool query() const = 0;
+  // Blocks the calling host thread until then; callers release the GIL first.
+  virtual void synchronize() const = 0;
+};
+
+using EventPtr = std::shared_ptr<Event>;
+
+inline bool event_done(const EventPtr& e) { return !e || e->query(); }
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
 
@@ -38,21 +55,20 @@ void warn_cuda_error(cudaError_t err, const char* call, const char* file, int li
 // True when a CUDA driver and at least one device are usable. Without a driver CUDA answers
 // "insufficient driver" (35) or "no device" (100): both mean "run the host-only path".
 bool cuda_runtime_usable();
+// The current CUDA device; 0 when CUDA is not usable.
+int current_cuda_device();
 
-// One CUDA event owned for its whole life. Shared between the pool (a block's last use) and the
-// engine (a handle's copy events), hence always held by shared_ptr.
-class CudaEvent {
+// One CUDA event owned for its whole life.
+class CudaEvent : public Event {
  public:
   explicit CudaEvent(bool timing = false);
-  ~CudaEvent();
+  ~CudaEvent() override;
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
 
   void record(cudaStream_t stream);
-  // Non-blocking: true once all work captured by the last record() has run.
-  bool query() const;
-  // Blocks the calling host thread; callers release the GIL first.
-  void synchronize() const;
+  bool query() const override;
+  void synchronize() const override;
   // Makes `stream` wait on the device for this event (no host synchronisation).
   void block(cudaStream_t stream) const;
   float elapsed_ms_since(const CudaEvent& start) const;
@@ -67,18 +83,8 @@ class CudaEvent {
 #else  // host-only build
 
 inline bool cuda_runtime_usable() { return false; }
-
-// In a host-only build every copy is synchronous, so an event is always complete.
-class CudaEvent {
- public:
-  bool query() const { return true; }
-  void synchronize() const {}
-};
+inline int current_cuda_device() { return 0; }
 
 #endif
-
-using EventPtr = std::shared_ptr<CudaEvent>;
-
-inline bool event_done(const EventPtr& e) { return !e || e->query(); }
 
 }  // namespace ckpt_offload

@@ -375,7 +375,9 @@ def test_kept_tensor_starts_the_reloads_before_it():
     assert ckpt_offload.stats()["tensors_offloaded"] == 4
     assert session.unpack(kept) is last
     states = [p.record.handle.state for p in packed]
-    assert states == ["on_host", "on_host", "prefetching", "prefetching"]
+    # Not yet reloaded: on the host, or still on its way there under an asynchronous runtime.
+    assert all(st in ("offloading", "on_host") for st in states[:2])
+    assert states[2:] == ["prefetching", "prefetching"]
 
 
 def test_model_keep_last_layer_prefetches_during_its_backward():
@@ -555,7 +557,8 @@ def test_keep_last_context_prefetches_the_first_tensor_backward_needs():
     assert [p.kept is None for p in packed] == [True, True, True, False]
     assert session.unpack(packed[3]) is xs[3]
     # Reaching the kept tensor starts the reload of the newest offloaded one, not an older one.
-    assert [p.record.handle.state for p in packed[:3]] == ["on_host", "on_host", "prefetching"]
+    states = [p.record.handle.state for p in packed[:3]]
+    assert all(st in ("offloading", "on_host") for st in states[:2]) and states[2] == "prefetching"
 
 
 class _MaskedBlock(torch.nn.Module):
