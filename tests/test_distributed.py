@@ -7,7 +7,6 @@ parent compares. Everything is time-bound: children that do not finish are kille
 """
 import datetime
 import os
-import socket
 import time
 
 import pytest
@@ -16,25 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import requires_cuda
+from procs import free_port, fsdp2_available
 from tiny_gpt import loss_of, make_batch, make_model
 
 WORLD = 2
 STEPS = 3
 TIMEOUT_S = 120  # a run takes about 10 s on two cores; this bounds a hang, not a measurement
-
-
-def _fsdp2_available():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- in the children ---------------------------------------------------------------------------------
@@ -113,7 +99,7 @@ def _worker(rank, port, wrapper, backend, out_dir):
 def _run_two_ranks(wrapper, backend, tmp_path):
     ctx = mp.start_processes(
         _worker,
-        args=(_free_port(), wrapper, backend, str(tmp_path)),
+        args=(free_port(), wrapper, backend, str(tmp_path)),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
@@ -155,7 +141,7 @@ WRAPPERS = [
         "fsdp2",
         id="fsdp2",
         marks=pytest.mark.skipif(
-            not _fsdp2_available(), reason="torch.distributed.fsdp.fully_shard is not importable in this torch"
+            not fsdp2_available(), reason="torch.distributed.fsdp.fully_shard is not importable in this torch"
         ),
     ),
 ]

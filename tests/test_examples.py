@@ -3,35 +3,22 @@ losses equal plain checkpointing's bit for bit, every block stays compiled, and 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from procs import free_port, fsdp2_available
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240  # about 20 s a run on 2 cores with aot_eager; this bounds a hang
-
-
-def _fsdp2_available():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(*extra):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # A session of its own: on a timeout the launcher and both workers are killed together.
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "examples/train_fsdp2.py", "--device", "cpu", "--backend", "aot_eager", "--layers", "4", "--steps", "3",
          *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -46,7 +33,7 @@ def _run(*extra):
     return out
 
 
-@pytest.mark.skipif(not _fsdp2_available(), reason="this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+@pytest.mark.skipif(not fsdp2_available(), reason="this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
 def test_train_fsdp2_example_on_two_cpu_processes():
     out = _run()
     plain = _run("--no-offload")
