@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
 # extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
-# runs under `timeout`; the stage limits add up to TOTAL_S (default 645 s, about 11 minutes), 120 s of
-# them for the step benchmark with every block compiled, 100 s for the --budget run.
+# runs under `timeout`; the stage limits add up to TOTAL_S (default 480 s, 8 minutes), 65 s of them
+# for the step benchmark with every block compiled, 50 s for the --budget run.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
-#              TOTAL_S (645), MAX_JOBS (nproc).
+#              TOTAL_S (480), MAX_JOBS (nproc).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -20,7 +20,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-8}
 SEQS=${SEQS:-4096,8192}
-TOTAL_S=${TOTAL_S:-645}
+TOTAL_S=${TOTAL_S:-480}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # Scripts run as `python benchmarks/x.py` see benchmarks/ first on sys.path; the repository root
 # makes an in-place build importable even where the editable install failed.
@@ -169,6 +169,13 @@ if step:
         table(["target", "seq", "value", "threshold", "verdict", "figures"],
               [[t["target"], t["seq"] or "all", "n/a" if t["value"] is None else f"{t['value']:.3f}",
                 f"{t['threshold']:.3g}", verdict(t), t["note"]] for t in step["targets"]])
+    if step.get("lengths"):
+        ls = next((r["lengths"] for r in step["lengths"] if "lengths" in r), [])
+        print(f"\nvarying lengths {ls} (target: no host allocation or free after the longest step)")
+        table(["mode", "allocs per step", "after longest", "frees after longest", "ms min/med/max"],
+              [[r["mode"], ",".join(map(str, r["host_alloc_calls_per_step"])), r["allocs_after_longest"],
+                r["frees_after_longest"], f"{r['step_ms_min']:.1f}/{r['step_ms_median']:.1f}/{r['step_ms_max']:.1f}"]
+               if "allocs_after_longest" in r else [r["mode"], r.get("error", "")] + [""] * 3 for r in step["lengths"]])
     # "problems" is written last: without it the script stopped early (time limit or crash).
     print("checks:", ("; ".join(step["problems"]) or "passed") if "problems" in step
           else "INCOMPLETE: the script did not finish (see step.log)")
@@ -227,17 +234,19 @@ export -f build gpu_tests budget_run summary
 
 echo "ckpt_offload GPU check: output in $OUT, budget ${TOTAL_S}s, layers $LAYERS, seqs $SEQS"
 stage env 15 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'"
-stage build 100 build
+stage build 80 build
 stage tests_gpu 60 gpu_tests
-stage bandwidth 45 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
-# Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included.
-stage step 160 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 130 \
-  --out "$OUT/step"
+stage bandwidth 25 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
+# Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included, then a
+# varying-length pass (lengths 2048..8192 padded to 64, drawn per step): no host allocation after
+# the longest step.
+stage step 145 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 110 \
+  --lengths 2048:8192 --length-steps 12 --out "$OUT/step"
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
-stage step_compile 120 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
-  --budget-s 100 --out "$OUT/step_compile"
-stage budget 100 budget_run
-stage hf 35 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
+stage step_compile 65 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
+  --budget-s 50 --out "$OUT/step_compile"
+stage budget 50 budget_run
+stage hf 30 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
 stage summary 10 summary
 cat "$OUT/summary.log"
 echo "total: $((SECONDS - START))s"
