@@ -215,10 +215,10 @@ def _modes(policy_fn, allow_mutation, session, keep, offload_saves):
 class _Kept:
     """A saved output on the device and its version when saved (the mutation check)."""
 
-    __slots__ = ("t", "version")
+    __slots__ = ("val", "version")  # val: the name torch's own SAC storage entries use
 
     def __init__(self, t):
-        self.t = t
+        self.val = t
         self.version = t._version
 
 
@@ -236,7 +236,14 @@ def _key(func, args):
     return func
 
 
-class _Caching(TorchDispatchMode):
+# Subclasses of torch's own SAC modes where this torch has them: code that asks whether SAC is
+# active (isinstance on the current dispatch mode, as torch's own tests do) sees it is. Every
+# method that matters is overridden, and the base initialisers are skipped on purpose.
+_CachingBase = _TorchCaching if _TorchCaching is not None else TorchDispatchMode
+_CachedBase = _TorchCached if _TorchCached is not None else TorchDispatchMode
+
+
+class _Caching(_CachingBase):
     """Forward: runs each op, asks the policy, and records per op what the recompute returns:
     None (run it again), _Kept (saved on the device) or a session _Packed (on its way to the host)."""
 
@@ -247,7 +254,9 @@ class _Caching(TorchDispatchMode):
         return True
 
     def __init__(self, policy_fn, storage, session, offload_saves):
-        super().__init__()
+        TorchDispatchMode.__init__(self)
+        self.ac_graph_id = None  # what torch's checkpoint may read or set on its caching mode
+        self.respect_saved_tensors_hooks = offload_saves
         self.policy_fn = policy_fn
         self.storage = storage
         self.session = session  # None: offload policies' outputs are kept on the device
@@ -295,7 +304,7 @@ def _keep(x):
     return _Kept(_detached(x)) if isinstance(x, torch.Tensor) else x
 
 
-class _Cached(TorchDispatchMode):
+class _Cached(_CachedBase):
     """Recompute: each op returns what the forward recorded for its n-th call, fetching offloaded
     outputs from the engine, or runs again where the policy said recompute."""
 
@@ -306,7 +315,7 @@ class _Cached(TorchDispatchMode):
         return True
 
     def __init__(self, storage, session, allow_mutation):
-        super().__init__()
+        TorchDispatchMode.__init__(self)
         self.storage = storage
         self.session = session
         self.allow_mutation = allow_mutation
@@ -314,7 +323,7 @@ class _Cached(TorchDispatchMode):
 
     def __enter__(self):
         self.calls = {}  # a second backward (retain_graph) finds consumed entries, not a stale index
-        return super().__enter__()
+        return TorchDispatchMode.__enter__(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -333,19 +342,19 @@ class _Cached(TorchDispatchMode):
         if entry is None:
             return func(*args, **kwargs)
         if entry is _CONSUMED:
-            raise RuntimeError("checkpoint: a second backward through a selectively checkpointed region; each "
-                               "region can be backpropagated once")
+            raise RuntimeError("Trying to backward an extra time. You are only allowed to backward once on any "
+                               "region computed under selective activation checkpoint.")
         entries[i] = _CONSUMED  # the saved copy goes as soon as the recompute has used it
         return tree_map(self._restore, entry)
 
     def _restore(self, x):
         if isinstance(x, _Kept):
-            if not self.allow_mutation and x.t._version != x.version:
+            if not self.allow_mutation and x.val._version != x.version:
                 raise RuntimeError(
-                    "checkpoint: a tensor saved by selective checkpointing was modified in place after the "
-                    "forward; clone it before writing, or pass allow_cache_entry_mutation=True"
+                    "Tensor cached during selective activation checkpoint has been mutated (modified in place "
+                    "after the forward); clone it before writing, or pass allow_cache_entry_mutation=True"
                 )
-            return x.t
+            return x.val
         if isinstance(x, _Packed):
             return self.session.unpack(x)
         return x
