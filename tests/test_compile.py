@@ -380,7 +380,8 @@ def test_compile_option_on_transformers_layers():
     _boundary_breaks_only()
     graphs = [g for _, g, _ in seen]
     assert graphs[0] >= 1 and graphs[0] == graphs[1] == graphs[2] and graphs[3] == graphs[4]
-    assert 1 <= sum(seen[-1][0].values()) <= 2 * 2 * 4
+    # torch 2.14 counts one break at each boundary here, torch 2.11 none: at most 2 per layer and compile.
+    assert sum(seen[-1][0].values()) <= 2 * 2 * 4
     assert [b for _, _, b in seen] == [b for _, _, b in eager]
     for k in grads:
         torch.testing.assert_close(grads[k], eager_grads[k], rtol=1e-5, atol=1e-6, msg=k)

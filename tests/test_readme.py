@@ -1,6 +1,8 @@
 """Every Python example in the README runs as written."""
 import os
 import re
+import sys
+import types
 
 import pytest
 
@@ -22,4 +24,8 @@ def test_readme_example_runs(index, tmp_path, monkeypatch):
     if "transformers" in code:
         pytest.importorskip("transformers", reason="transformers is an optional dependency")
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"README example {index}", "exec"), {"__name__": "__readme__"})
+    # A module registered in sys.modules, as a script's __main__ is: torch.compile (dynamo) looks up
+    # the module of the code it compiles by name.
+    module = types.ModuleType("__readme__")
+    monkeypatch.setitem(sys.modules, "__readme__", module)
+    exec(compile(code, f"README example {index}", "exec"), module.__dict__)
