@@ -24,3 +24,13 @@ def check_not_reentrant(where, value):
             "saved-tensor hooks in a way offload can follow. Use use_reentrant=False (or leave it out)."
         )
     raise TypeError(f"{where}: use_reentrant must be True, False or None, got {value!r} ({type(value).__name__})")
+
+
+def check_prefetch(where, prefetch, prefetch_bytes, keep_last=None):
+    """The offload settings every entry point takes: prefetch >= 0, prefetch_bytes None or >= 1, and
+    keep_last >= 0 where the entry point has one."""
+    if keep_last is not None:
+        check_int(where, "keep_last", keep_last, 0)
+    check_int(where, "prefetch", prefetch, 0)
+    if prefetch_bytes is not None:
+        check_int(where, "prefetch_bytes", prefetch_bytes, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ._args import check_int as _check_int
+from ._args import check_prefetch as _check_prefetch
 from .session import OffloadSession
 
 
@@ -16,10 +17,7 @@ class offload_activations:
 
     def __init__(self, min_bytes: int = 1 << 20, keep_last: int = 0, prefetch: int = 4, prefetch_bytes=None):
         _check_int("offload_activations", "min_bytes", min_bytes, 0)
-        _check_int("offload_activations", "keep_last", keep_last, 0)
-        _check_int("offload_activations", "prefetch", prefetch, 0)
-        if prefetch_bytes is not None:
-            _check_int("offload_activations", "prefetch_bytes", prefetch_bytes, 1)
+        _check_prefetch("offload_activations", prefetch, prefetch_bytes, keep_last)
         self.session = OffloadSession(
             min_bytes=min_bytes,
             keep_last=keep_last,

@@ -11,6 +11,7 @@ from .checkpointing import run_checkpoint, warn_kwarg_tensors
 from .compile import compile_options, compiled, eager_boundary, layer_checkpoint_function
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
+from ._args import check_prefetch as _check_prefetch
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
 from .session import OffloadSession
@@ -139,10 +140,7 @@ def enable_checkpointing(
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_int("enable_checkpointing", "every_n_layers", every_n_layers, 1)
-    _check_int("enable_checkpointing", "keep_last", keep_last, 0)
-    _check_int("enable_checkpointing", "prefetch", prefetch, 0)
-    if prefetch_bytes is not None:
-        _check_int("enable_checkpointing", "prefetch_bytes", prefetch_bytes, 1)
+    _check_prefetch("enable_checkpointing", prefetch, prefetch_bytes, keep_last)
     _check_bool("enable_checkpointing", "offload", offload)
     _check_not_reentrant("enable_checkpointing", use_reentrant)
     options = compile_options("enable_checkpointing", compile)
@@ -282,9 +280,7 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_block_modes: model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_int("enable_block_modes", "prefetch", prefetch, 0)
-    if prefetch_bytes is not None:
-        _check_int("enable_block_modes", "prefetch_bytes", prefetch_bytes, 1)
+    _check_prefetch("enable_block_modes", prefetch, prefetch_bytes)
     blocks = find_repeated_blocks(model) if layers is None else list(layers)
     modes = list(modes)
     if not blocks or len(modes) != len(blocks):

@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import engine as _engine
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
+from ._args import check_prefetch as _check_prefetch
 from .midpoints import Midpoints, _graph_task_id
 
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
@@ -147,10 +148,7 @@ class OffloadSession:
     def __init__(self, *, min_bytes=0, keep_last=0, prefetch=1, prefetch_bytes=None, track_modules=False,
                  prefetch_unit="layer"):
         _check_int("OffloadSession", "min_bytes", min_bytes, 0)
-        _check_int("OffloadSession", "keep_last", keep_last, 0)
-        _check_int("OffloadSession", "prefetch", prefetch, 0)
-        if prefetch_bytes is not None:
-            _check_int("OffloadSession", "prefetch_bytes", prefetch_bytes, 1)
+        _check_prefetch("OffloadSession", prefetch, prefetch_bytes, keep_last)
         _check_bool("OffloadSession", "track_modules", track_modules)
         if prefetch_unit not in ("layer", "tensor"):
             raise ValueError(f"OffloadSession: prefetch_unit must be 'layer' or 'tensor', got {prefetch_unit!r}")

@@ -425,6 +425,24 @@ def _requested_device_bytes():
     return stats.get("requested_bytes.all.current", torch.cuda.memory_allocated())
 
 
+def _forward_device_bytes(model, ids):
+    """A warm-up step, then one forward of model on ids: (its loss, the device bytes the forward
+    added once its copies are done and sources dropped, the bytes it offloaded)."""
+    loss_of(model, ids).backward()  # warm-up: cuBLAS workspaces exist before the baseline
+    model.zero_grad(set_to_none=True)
+    # A previous model (its wrapped forwards form reference cycles) must go now, not in an
+    # automatic collection between the two measurements.
+    gc.collect()
+    torch.cuda.synchronize()
+    ckpt_offload.synchronize()
+    base = _requested_device_bytes()
+    ckpt_offload.reset_stats()
+    loss = loss_of(model, ids)
+    ckpt_offload.synchronize()  # copies done, sources dropped
+    gc.collect()
+    return loss, _requested_device_bytes() - base, ckpt_offload.stats()["bytes_offloaded"]
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_memory_after_forward_drops_by_offloaded_bytes():
@@ -433,20 +451,7 @@ def test_gpu_memory_after_forward_drops_by_offloaded_bytes():
     for offload in (False, True):
         model = _gpu_model(layers=6)
         ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1)
-        loss_of(model, ids).backward()  # warm-up: cuBLAS workspaces exist before the baseline
-        model.zero_grad(set_to_none=True)
-        # The previous model (its wrapped forwards form reference cycles) must go now, not in an
-        # automatic collection between the two measurements.
-        gc.collect()
-        torch.cuda.synchronize()
-        ckpt_offload.synchronize()
-        base = _requested_device_bytes()
-        ckpt_offload.reset_stats()
-        loss = loss_of(model, ids)
-        ckpt_offload.synchronize()  # copies done, sources dropped
-        gc.collect()
-        used[offload] = _requested_device_bytes() - base
-        moved = ckpt_offload.stats()["bytes_offloaded"]
+        loss, used[offload], moved = _forward_device_bytes(model, ids)
         loss.backward()
         del loss, model
     assert moved == 5 * 4 * 512 * 256 * 4

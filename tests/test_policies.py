@@ -386,7 +386,7 @@ def test_selective_offload_is_a_context_fn_for_torch_checkpoint_too():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_attention_outputs_live_on_the_host_and_attention_is_not_recomputed():
-    from test_checkpoint import _requested_device_bytes
+    from test_checkpoint import _forward_device_bytes
 
     b, s, h, heads, layers = 4, 1024, 256, 4, 4
     ids = make_batch(device="cuda", batch=b, seq=s)
@@ -394,17 +394,7 @@ def test_gpu_attention_outputs_live_on_the_host_and_attention_is_not_recomputed(
     for policy in (None, "attention"):
         model = make_model(device="cuda", layers=layers, hidden=h, heads=heads, max_len=s).to(torch.bfloat16)
         ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, policy=policy)
-        loss_of(model, ids).backward()  # warm-up: workspaces exist before the baseline
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.cuda.synchronize()
-        ckpt_offload.synchronize()
-        base = _requested_device_bytes()
-        ckpt_offload.reset_stats()
-        loss = loss_of(model, ids)
-        ckpt_offload.synchronize()  # copies done, sources dropped
-        used[policy] = _requested_device_bytes() - base
-        moved[policy] = ckpt_offload.stats()["bytes_offloaded"]
+        loss, used[policy], moved[policy] = _forward_device_bytes(model, ids)
         with OpCount() as count:
             loss.backward()
         forward_sdpa[policy] = sum(n for op, n in count.calls.items()

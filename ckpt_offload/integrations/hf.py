@@ -26,6 +26,7 @@ from ..checkpointing import checkpoint_function
 from ..compile import layer_checkpoint_function
 from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
+from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
 from ..model import HF_STATE_ATTR as _STATE_ATTR
 from ..session import OffloadSession
@@ -100,10 +101,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     if budget_bytes is not None:
         return _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs)
     _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
-    _check_int("hf.enable", "keep_last", keep_last, 0)
-    _check_int("hf.enable", "prefetch", prefetch, 0)
-    if prefetch_bytes is not None:
-        _check_int("hf.enable", "prefetch_bytes", prefetch_bytes, 1)
+    _check_prefetch("hf.enable", prefetch, prefetch_bytes, keep_last)
     _check_bool("hf.enable", "offload", offload)
     _check_not_reentrant("hf.enable", checkpoint_kwargs.pop("use_reentrant", None))
     if policy is not None and "context_fn" in checkpoint_kwargs:
@@ -198,10 +196,7 @@ class OffloadCallback(TrainerCallback):
     """
 
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
-        _check_int("OffloadCallback", "keep_last", keep_last, 0)
-        _check_int("OffloadCallback", "prefetch", prefetch, 0)
-        if prefetch_bytes is not None:
-            _check_int("OffloadCallback", "prefetch_bytes", prefetch_bytes, 1)
+        _check_prefetch("OffloadCallback", prefetch, prefetch_bytes, keep_last)
         self.keep_last = keep_last
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
