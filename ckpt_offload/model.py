@@ -193,22 +193,11 @@ def enable_checkpointing(
     disable_checkpointing(model)
     session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloaded else None
     saved = []
-    if gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks):
-        # transformers layers checkpoint themselves through their own __call__, which also turns
-        # off the KV cache that a recompute would update twice: use that path, with our function.
-        for m in model.modules():
-            if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
-                _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
-        for i in checkpointed:
-            _set(saved, blocks[i], "gradient_checkpointing", True)
-            ckpt_kwargs = {} if contexts[i] is None else {"context_fn": contexts[i]}
-            func = layer_checkpoint_function(session, i not in offloaded, explicit=options is not None, **ckpt_kwargs)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", func)
-            if options is not None:
-                _set(saved, blocks[i], "forward", compiled(blocks[i].forward, options))
-    else:
-        for i in checkpointed:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, i not in offloaded, contexts[i], options))
+    hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
+    if hf_layers:
+        _stop_passing_caches(saved, model, gc_cls)
+    for i in checkpointed:
+        _install_checkpoint(saved, blocks[i], hf_layers, session, i not in offloaded, contexts[i], options)
     hooks = []
     if session is not None:  # compiled bodies have no midpoint (see ckpt_offload.compile)
         hooks = session.attach(model, [blocks[i] for i in checkpointed], midpoints=options is None)
@@ -217,6 +206,31 @@ def enable_checkpointing(
         offloaded = [numbering[i] for i in offloaded]
     setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
     return checkpointed
+
+
+def _stop_passing_caches(saved, model, gc_cls):
+    """transformers layers checkpoint themselves through their own __call__, which also turns off
+    the KV cache that a recompute would update twice: the modules above them stop passing caches
+    down once their gradient_checkpointing is on."""
+    for m in model.modules():
+        if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
+            _set(saved, m, "gradient_checkpointing", True)
+
+
+def _install_checkpoint(saved, block, hf_layer, session, keep, context, options=None):
+    """Checkpoints `block` through `session` (keep: its inputs stay on the device): a transformers
+    layer through its own checkpointing path with our function, any other block by its forward.
+    context: a selective-checkpoint context_fn or None; options: torch.compile keywords for the
+    block's body, or None."""
+    if hf_layer:
+        _set(saved, block, "gradient_checkpointing", True)
+        ckpt_kwargs = {} if context is None else {"context_fn": context}
+        func = layer_checkpoint_function(session, keep, explicit=options is not None, **ckpt_kwargs)
+        _set(saved, block, "_gradient_checkpointing_func", func)
+        if options is not None:
+            _set(saved, block, "forward", compiled(block.forward, options))
+    else:
+        _set(saved, block, "forward", _wrap(block, session, keep, context, options))
 
 
 def _is_index(value) -> bool:
@@ -306,18 +320,10 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
     hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
     saved = []
     if hf_layers and (checkpointed or plain_offloaded):
-        for m in model.modules():
-            if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
-                _set(saved, m, "gradient_checkpointing", True)  # stops passing caches down
+        _stop_passing_caches(saved, model, gc_cls)
     for i in checkpointed:
-        keep = i not in ckpt_offloaded
         context = attention if modes[i] == "checkpoint+offload+attention" else None
-        if hf_layers:
-            _set(saved, blocks[i], "gradient_checkpointing", True)
-            ckpt_kwargs = {} if context is None else {"context_fn": context}
-            _set(saved, blocks[i], "_gradient_checkpointing_func", layer_checkpoint_function(session, keep, **ckpt_kwargs))
-        else:
-            _set(saved, blocks[i], "forward", _wrap(blocks[i], session, keep, context))
+        _install_checkpoint(saved, blocks[i], hf_layers, session, i not in ckpt_offloaded, context)
     for i in plain_offloaded:
         if hf_layers:
             _set(saved, blocks[i], "gradient_checkpointing", True)
