@@ -45,6 +45,15 @@ class Midpoints:
             for c in kids:
                 self.handles.append(c.register_forward_hook(functools.partial(self._child_post, b)))
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_tls"]  # this thread's forward in progress: not a copy's
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
     @staticmethod
     def usable(blocks) -> bool:
         """Every block has at least two children to find a middle between (and this torch tells

@@ -1,37 +1,18 @@
 """enable_checkpointing / disable_checkpointing: checkpoint (and offload) a model's repeated blocks."""
 from __future__ import annotations
 
-import functools
-import sys
-
-import torch
 from torch import nn
 
-from .checkpointing import run_checkpoint, warn_kwarg_tensors
-from .compile import compile_options, compiled, eager_boundary, layer_checkpoint_function
+from .attachment import MODES as BLOCK_MODES
+from .attachment import Attachment, base_class, find, gc_layer_class, owner_of
+from .compile import compile_options
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
-from .session import OffloadSession
 
-_STATE_ATTR = "_ckpt_offload_state"
-# integrations.hf.enable (directly, through OffloadCallback or hf.install) keeps its state here:
-# (checkpointed indices, offloaded indices, hook handles).
-HF_STATE_ATTR = "_ckpt_offload_hf"
-
-
-def _gc_layer_class():
-    # Only look for transformers' layer class when transformers is already loaded: a model built
-    # with it has imported it, and importing it for a plain torch model costs seconds.
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
-    return GradientCheckpointingLayer
+_gc_layer_class = gc_layer_class
 
 
 def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -51,60 +32,13 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         run: list[nn.Module] = []
         for child in container.children():
-            if run and type(child) is type(run[0]):
+            if run and base_class(type(child)) is base_class(type(run[0])):
                 run.append(child)
             else:
                 run = [child]
             if len(run) > len(best):
                 best = list(run)
     return best if len(best) >= 2 else []
-
-
-class _State:
-    def __init__(self, layers, checkpointed, offloaded, session, saved_attrs, hooks):
-        self.layers = layers
-        self.checkpointed = checkpointed
-        self.offloaded = offloaded
-        self.session = session
-        self.saved_attrs = saved_attrs  # [(module, name, previous instance value or _MISSING)]
-        self.hooks = hooks
-
-
-_MISSING = object()
-
-
-def _set(saved, module, name, value):
-    saved.append((module, name, module.__dict__.get(name, _MISSING)))
-    setattr(module, name, value)
-
-
-def _wrap(module: nn.Module, session, keep, context=None, options=None):
-    original = module.forward
-    body = compiled(original, options)
-    ckpt_kwargs = {} if context is None else {"context_fn": context}
-
-    def run(fn, args, kwargs):
-        if not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
-        warn_kwarg_tensors(kwargs)
-        # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
-        fn = functools.partial(fn, **kwargs) if kwargs else fn
-        return run_checkpoint(session, fn, args, ckpt_kwargs, keep)
-
-    if session is None:
-        # Without offload torch.compile traces torch's checkpoint itself: nothing to keep eager.
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            return run(body, args, kwargs)
-
-        return forward
-    boundary = eager_boundary(run, session, explicit=options is not None)
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        return boundary(body, *args, **kwargs)
-
-    return forward
 
 
 def enable_checkpointing(
@@ -170,7 +104,7 @@ def enable_checkpointing(
         if len({id(b) for b in blocks}) != len(blocks):
             raise ValueError("enable_checkpointing: layers names a block more than once")
     gc_cls = _gc_layer_class()
-    ours = _STATE_ATTR in model.__dict__
+    ours = find(model) is not None
     if not ours and gc_cls is not None and any(isinstance(b, gc_cls) and b.gradient_checkpointing for b in blocks):
         raise ValueError(
             "enable_checkpointing: transformers' own gradient checkpointing is on for this model; call "
@@ -190,47 +124,14 @@ def enable_checkpointing(
         policy = {position.get(k, k) if _is_index(k) else k: p for k, p in policy.items()}
     contexts = policies.per_block("enable_checkpointing", policy, checkpointed)
 
-    disable_checkpointing(model)
-    session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloaded else None
-    saved = []
-    hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
-    if hf_layers:
-        _stop_passing_caches(saved, model, gc_cls)
+    modes = ["none"] * len(blocks)
     for i in checkpointed:
-        _install_checkpoint(saved, blocks[i], hf_layers, session, i not in offloaded, contexts[i], options)
-    hooks = []
-    if session is not None:  # compiled bodies have no midpoint (see ckpt_offload.compile)
-        hooks = session.attach(model, [blocks[i] for i in checkpointed], midpoints=options is None)
-    if numbering is not None:
-        checkpointed = [numbering[i] for i in checkpointed]
-        offloaded = [numbering[i] for i in offloaded]
-    setattr(model, _STATE_ATTR, _State(blocks, checkpointed, offloaded, session, saved, hooks))
-    return checkpointed
-
-
-def _stop_passing_caches(saved, model, gc_cls):
-    """transformers layers checkpoint themselves through their own __call__, which also turns off
-    the KV cache that a recompute would update twice: the modules above them stop passing caches
-    down once their gradient_checkpointing is on."""
-    for m in model.modules():
-        if isinstance(getattr(m, "gradient_checkpointing", None), bool) and not isinstance(m, gc_cls):
-            _set(saved, m, "gradient_checkpointing", True)
-
-
-def _install_checkpoint(saved, block, hf_layer, session, keep, context, options=None):
-    """Checkpoints `block` through `session` (keep: its inputs stay on the device): a transformers
-    layer through its own checkpointing path with our function, any other block by its forward.
-    context: a selective-checkpoint context_fn or None; options: torch.compile keywords for the
-    block's body, or None."""
-    if hf_layer:
-        _set(saved, block, "gradient_checkpointing", True)
-        ckpt_kwargs = {} if context is None else {"context_fn": context}
-        func = layer_checkpoint_function(session, keep, explicit=options is not None, **ckpt_kwargs)
-        _set(saved, block, "_gradient_checkpointing_func", func)
-        if options is not None:
-            _set(saved, block, "forward", compiled(block.forward, options))
-    else:
-        _set(saved, block, "forward", _wrap(block, session, keep, context, options))
+        modes[i] = "checkpoint+offload" if i in offloaded else "checkpoint"
+    hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
+    att = Attachment(owner_of(model), blocks, modes, hf=hf_layers, contexts=contexts, options=options,
+                     numbering=numbering, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    att.attach()
+    return att.state()[0]
 
 
 def _is_index(value) -> bool:
@@ -253,32 +154,6 @@ def _check_indices(layers, count):
     if len(set(layers)) != len(layers):
         raise ValueError(f"enable_checkpointing: layers names an index more than once: {list(layers)}")
     return sorted(layers)
-
-
-BLOCK_MODES = ("none", "offload", "checkpoint", "checkpoint+offload", "checkpoint+offload+attention")
-
-
-def _wrap_offload(module: nn.Module, session):
-    original = module.forward
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        with session.hooks():
-            return original(*args, **kwargs)
-
-    return forward
-
-
-def _offload_function(session):
-    """A `_gradient_checkpointing_func` that does not checkpoint: the layer runs under session's hooks."""
-
-    def func(function, *args):
-        with session.hooks():
-            return function(*args)
-
-    return func
 
 
 def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_bytes: int | None = None,
@@ -305,69 +180,36 @@ def enable_block_modes(model: nn.Module, modes, prefetch: int = 1, prefetch_byte
     for i, m in enumerate(modes):
         if m not in BLOCK_MODES:
             raise ValueError(f"enable_block_modes: modes[{i}] is {m!r}; choose from {BLOCK_MODES}")
-    disable_checkpointing(model)
-    checkpointed = [i for i, m in enumerate(modes) if m.startswith("checkpoint")]
-    ckpt_offloaded = [i for i, m in enumerate(modes) if m.startswith("checkpoint+offload")]
-    attention = None
+    contexts = {}
     if "checkpoint+offload+attention" in modes:
         attention = policies.resolve("enable_block_modes", "attention")
-    plain_offloaded = [i for i, m in enumerate(modes) if m == "offload"]
-    # Two sessions: the checkpointed blocks' reloads start mid-backward of the block above (Midpoints,
-    # counted in layers); an "offload" block's tensors come back when its own backward starts.
-    session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if ckpt_offloaded else None
-    whole = OffloadSession(prefetch=1) if plain_offloaded else None
+        contexts = {i: attention for i, m in enumerate(modes) if m == "checkpoint+offload+attention"}
     gc_cls = _gc_layer_class()
     hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
-    saved = []
-    if hf_layers and (checkpointed or plain_offloaded):
-        _stop_passing_caches(saved, model, gc_cls)
-    for i in checkpointed:
-        context = attention if modes[i] == "checkpoint+offload+attention" else None
-        _install_checkpoint(saved, blocks[i], hf_layers, session, i not in ckpt_offloaded, context)
-    for i in plain_offloaded:
-        if hf_layers:
-            _set(saved, blocks[i], "gradient_checkpointing", True)
-            _set(saved, blocks[i], "_gradient_checkpointing_func", _offload_function(whole))
-        else:
-            _set(saved, blocks[i], "forward", _wrap_offload(blocks[i], whole))
-    if hf_layers:
-        for i in (i for i, m in enumerate(modes) if m == "none"):
-            _set(saved, blocks[i], "gradient_checkpointing", False)  # even where transformers' own was on
-    hooks = session.attach(model, [blocks[i] for i in checkpointed]) if session is not None else []
-    if whole is not None:
-        hooks += [
-            model.register_forward_pre_hook(lambda module, args: whole.exclude_module_tensors(module)),
-            model.register_forward_hook(lambda *_: whole.poll()),
-        ]
-    state = _State(blocks, checkpointed, sorted(ckpt_offloaded + plain_offloaded), session, saved, hooks)
-    state.modes = modes
-    setattr(model, _STATE_ATTR, state)
+    Attachment(owner_of(model), blocks, modes, hf=hf_layers, contexts=contexts, prefetch=prefetch,
+               prefetch_bytes=prefetch_bytes).attach()
     return modes
 
 
 def disable_checkpointing(model: nn.Module) -> None:
-    """Undoes enable_checkpointing: the blocks' own forward back, no hooks left. No-op if not enabled."""
+    """Undoes enable_checkpointing, enable_block_modes and integrations.hf.enable's engine offload: the
+    blocks' own forward back, no hooks left. transformers' own checkpointing flags are as they were
+    before ckpt_offload configured the model. No-op if not configured."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"disable_checkpointing: model must be a torch.nn.Module, got {type(model).__name__}")
-    state = model.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return
-    for module, name, previous in reversed(state.saved_attrs):
-        if previous is _MISSING:
-            delattr(module, name)
-        else:
-            setattr(module, name, previous)
-    for hook in state.hooks:
-        hook.remove()
+    att = find(model)
+    if att is not None:
+        att.detach()
 
 
 def checkpointing_state(model: nn.Module):
-    """(checkpointed indices, offloaded indices), as enable_checkpointing or integrations.hf.enable
-    (also through OffloadCallback or hf.install) returned them; None when neither configured the model."""
+    """(checkpointed indices, offloaded indices) of a model ckpt_offload configured (enable_checkpointing,
+    enable_block_modes, a plan, integrations.hf.enable, OffloadCallback, hf.install), read off what its
+    blocks run now, numbered as the entry point returned them; None when ckpt_offload did not configure
+    it. A wrapper (peft's PeftModel, torch.compile's OptimizedModule, DataParallel) answers for the model
+    inside. A layer that transformers' own checkpointing took over since counts as checkpointed, not
+    offloaded."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"checkpointing_state: model must be a torch.nn.Module, got {type(model).__name__}")
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is not None:
-        return list(state.checkpointed), list(state.offloaded)
-    hf_state = model.__dict__.get(HF_STATE_ATTR)
-    return None if hf_state is None else (list(hf_state[0]), list(hf_state[1]))
+    att = find(model)
+    return None if att is None else att.state()

@@ -17,6 +17,7 @@ from . import engine as _engine
 from . import policies
 from .midpoints import _in_backward
 from .session import test_cpu_enabled
+from .training import training_mode
 from .model import BLOCK_MODES, disable_checkpointing, enable_block_modes, find_repeated_blocks
 
 # Modes whose blocks are checkpointed (recomputed in backward), those whose saved bytes live on the host,
@@ -305,7 +306,8 @@ def uniform_configs(n):
 
 def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -> CostModel:
     """Measures the CostModel of `model` on `example_inputs`: two steps per mode (a warm-up, then one
-    with marks at every block boundary). Leaves every parameter's .grad allocated and zeroed."""
+    with marks at every block boundary), in training mode (each module's mode is restored after).
+    Leaves every parameter's .grad allocated and zeroed."""
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(
@@ -322,7 +324,7 @@ def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -
     probes, timed = {}, {}
     rates = []
     disable_checkpointing(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), training_mode(model):
         for k, m in enumerate(runs):
             if verbose:
                 print(f"plan_memory: profiling mode {m!r} ({k + 1}/{len(runs)}) on {n} blocks", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from . import engine as _engine
+from .training import training_mode
 
 
 def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None, context=None) -> dict:
@@ -22,8 +23,9 @@ def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None, context=No
     offloaded too). By default the output itself when it is a tensor (summed if it is not a scalar),
     else its `.loss` (transformers models given labels).
 
-    The step leaves no trace on the model: gradients, buffers (BatchNorm statistics) and the random
-    number generators are as before. Returns the pool's figures: `requests` and `request_bytes`
+    The step runs in training mode (transformers' layers checkpoint only then; a model fresh from
+    from_pretrained is in eval mode) and leaves no trace on the model: gradients, buffers (BatchNorm
+    statistics), each module's training mode and the random number generators are as before. Returns the pool's figures: `requests` and `request_bytes`
     (the blocks the step held at the end of its forward and the bytes requested in them),
     `block_bytes` (their capacity), `alloc_calls` (host allocations the step made) and
     `reserved_bytes` (the pool's size afterwards).
@@ -56,7 +58,7 @@ def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None, context=No
     devices = sorted({p.device.index for p in params if p.device.type == "cuda" and p.device.index is not None})
     before = pool.stats()
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), training_mode(model):
             for p in params:
                 p.grad = None
             with context() if context is not None else contextlib.nullcontext():

@@ -181,6 +181,20 @@ class OffloadSession:
         self._tls = threading.local()
         self.midpoint_misses = 0
 
+    # -- copies --------------------------------------------------------------------------------
+    def __getstate__(self):
+        """A copy (copy.deepcopy of a configured model, pickling) gets a session of its own with the
+        same settings and nothing in flight: records, engines and locks belong to this one."""
+        return {"min_bytes": self.min_bytes, "keep_last": self.keep_last, "prefetch": self.prefetch,
+                "prefetch_bytes": self.prefetch_bytes, "track_modules": self._track_modules,
+                "prefetch_unit": self.prefetch_unit, "defer_prefetch": self.defer_prefetch}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        defer = state.pop("defer_prefetch")
+        self.__init__(**state)
+        self.defer_prefetch = defer
+
     # -- the hooks -----------------------------------------------------------------------------
     def hooks(self, keep=False):
         """Hooks that offload; with keep=True they keep tensors on the device but still mark the

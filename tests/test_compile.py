@@ -157,9 +157,9 @@ def eager_bytes():
 
 def _boundary_breaks_only():
     """Every graph break is at one of ckpt_offload's eager boundaries: the checkpointed blocks'
-    (eager_boundary) or the model's own pre/post hooks (OffloadSession.attach)."""
+    (eager_boundary) or the model's own pre/post hooks (ckpt_offload.attachment's)."""
     for reason in counters["graph_break"]:
-        assert "eager_boundary" in reason or "OffloadSession.attach" in reason, reason
+        assert "eager_boundary" in reason or "attachment_before_forward" in reason or "attachment_after_forward" in reason, reason
 
 
 def _check_pattern(pattern, backend):

@@ -46,3 +46,29 @@ def test_train_fsdp2_example_on_two_cpu_processes():
     # One offloaded layer's input (2 x 64 x 64 float32) a step, plus the rotary tables it receives.
     assert int(stats.group(1)) == 2 * 64 * 64 * 4 + 2 * 64 * 4 * 4
     assert "'host_in_use_bytes': 0" in out
+
+
+def _sft(*extra):
+    env = dict(os.environ, CKPT_OFFLOAD_TEST_CPU="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "examples/sft_lora.py", "--steps", "6", *extra], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [tuple(c.strip() for c in line.split("|")) for line in p.stdout.splitlines()
+            if re.match(r"^\d+ \| \d+ \| ", line)]
+    assert len(rows) == 6, p.stdout
+    return p.stdout, [(int(s), int(n), l, int(o), int(a), int(u)) for s, n, l, o, a, u in rows]
+
+
+def test_sft_lora_example_offloads_with_transformers_own_losses():
+    pytest.importorskip("trl", reason="trl is an optional dependency")
+    pytest.importorskip("peft", reason="peft is an optional dependency")
+    out, rows = _sft()
+    _, plain = _sft("--no-offload")
+    assert [r[2] for r in rows] == [r[2] for r in plain]  # the same losses as transformers' own checkpointing
+    assert "checkpointing_state: ([0, 1, 2, 3], [0, 1, 2])" in out and "model: PeftModelForCausalLM" in out
+    assert "configuration stays in force" in out  # SFTTrainer enabled transformers' checkpointing again
+    assert "all LoRA: True" in out
+    assert all(r[3] == 3 and r[5] == 0 for r in rows)  # 3 layers offloaded a step, host memory back to 0
+    longest = max(range(len(rows)), key=lambda i: rows[i][1])
+    assert all(r[4] == 0 for r in rows[longest + 1:])  # no host allocation after the longest step
+    assert all(r[3] == 0 for r in plain)

@@ -357,7 +357,7 @@ def test_reloads_start_mid_layer_and_are_all_ahead_of_need(arch):
     s = ckpt_offload.stats()
     assert s["tensors_offloaded"] >= len(idx) - 1
     assert s["reloads_on_demand"] == 0 and s["tensors_prefetched"] == s["tensors_offloaded"]
-    (midpoints,) = [h for h in model.__dict__["_ckpt_offload_hf"][2] if isinstance(h, ckpt_offload.midpoints.Midpoints)]
+    (midpoints,) = [h for h in model._ckpt_offload.handles if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     attention = "self_attn" if arch == "llama" else "attn"
     assert all(midpoints.mid[layer] is getattr(layer, attention) for layer in layers)

@@ -34,7 +34,7 @@ def peak_with(prefetch=1, offload=True, from_middle=True):
     model = make_model(layers=L, hidden=H, heads=4, max_len=S)
     ckpt_offload.enable_checkpointing(model, offload=offload, keep_last=1, prefetch=prefetch)
     if not from_middle:  # what reloading from the start of each layer's backward would cost
-        model._ckpt_offload_state.session.defer_prefetch = False
+        model._ckpt_offload.session.defer_prefetch = False
     return step_peak(model, make_batch(batch=B, seq=S))
 
 
@@ -62,7 +62,7 @@ def test_midpoint_is_the_child_halfway_through_the_forward():
     model = make_model(layers=3, hidden=32, heads=4)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
     loss_of(model, make_batch()).backward()
-    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.midpoints.Midpoints)]
+    (midpoints,) = [h for h in model._ckpt_offload.handles if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Children in forward order: ln1, qkv, proj, dropout (attention branch), ln2, fc1, fc2.
     assert all(midpoints.mid[b] is b.dropout for b in model.blocks)
     ckpt_offload.disable_checkpointing(model)
@@ -74,7 +74,7 @@ def test_blocks_without_children_reload_from_the_start_of_their_backward():
     blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
     model = torch.nn.Sequential(*blocks)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    assert model._ckpt_offload_state.session.defer_prefetch is False
+    assert model._ckpt_offload.session.defer_prefetch is False
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()
     s = ckpt_offload.stats()
@@ -177,7 +177,7 @@ def test_midpoint_skips_children_without_a_gradient():
         ckpt_offload.reset_stats()
         model(x).square().mean().backward()
         assert ckpt_offload.stats()["reloads_on_demand"] == 0
-    (midpoints,) = [h for h in model._ckpt_offload_state.hooks if isinstance(h, ckpt_offload.midpoints.Midpoints)]
+    (midpoints,) = [h for h in model._ckpt_offload.handles if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Forward order norm, middle, attn, mlp: the middle carries no gradient; attn is as near the halfway point.
     assert all(midpoints.mid[b] is b.attn for b in model)
 
@@ -185,7 +185,7 @@ def test_midpoint_skips_children_without_a_gradient():
 def test_a_midpoint_that_never_fires_falls_back_to_reloading_from_the_start():
     model = _stack(_Aux)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    session = model._ckpt_offload_state.session
+    session = model._ckpt_offload.session
     x = torch.randn(4, 8, 32)
     ref = _stack(_Aux)
     grads = []
@@ -203,7 +203,7 @@ def test_a_midpoint_that_never_fires_falls_back_to_reloading_from_the_start():
 def test_a_backward_that_stops_partway_leaves_no_false_miss():
     model = make_model(layers=L, hidden=32, heads=4)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    session = model._ckpt_offload_state.session
+    session = model._ckpt_offload.session
     ids = make_batch()
     loss_of(model, ids).backward()
     # A gradient with respect to a tensor inside block 3, ahead of its midpoint: that backward
@@ -246,7 +246,7 @@ def test_tensors_a_layer_saves_but_does_not_offload_do_not_count_as_missed_midpo
     torch.manual_seed(0)
     model = _ScaledStack()
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    session = model._ckpt_offload_state.session
+    session = model._ckpt_offload.session
     x = torch.randn(4, 8, 32)
     for _ in range(2):
         ckpt_offload.reset_stats()

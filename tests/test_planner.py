@@ -278,10 +278,10 @@ def test_apply_is_undone_by_disable_checkpointing(profiled):
     plan = MemoryPlan(["offload", "checkpoint+offload", "checkpoint", "none", "checkpoint+offload+attention"], 1, 1.0, 1)
     assert plan.apply(model) == plan.modes
     assert ckpt_offload.checkpointing_state(model) == ([1, 2, 4], [0, 1, 4])
-    assert all("forward" in b.__dict__ for i, b in enumerate(model.blocks) if i != 3)
+    assert all(ckpt_offload.attachment.SLOT in b.__dict__ for i, b in enumerate(model.blocks) if i != 3)
     ckpt_offload.disable_checkpointing(model)
     assert ckpt_offload.checkpointing_state(model) is None
-    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert all(type(b) is ckpt_offload.attachment.base_class(type(b)) and ckpt_offload.attachment.SLOT not in b.__dict__ for b in model.blocks)
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert all(not b._forward_hooks and not b._forward_pre_hooks for b in model.blocks)
 
@@ -344,7 +344,7 @@ def test_hf_enable_with_a_budget_plans_applies_and_keeps_gradients():
     budget = (roomy.predicted_peak_bytes + roomy.smallest_peak_bytes) // 2
     plan = hf.enable(model, budget_bytes=budget, example_inputs=(ids,))
     assert isinstance(plan, ckpt_offload.MemoryPlan) and plan.modes != ["none"] * 4
-    assert ckpt_offload.model._STATE_ATTR in model.__dict__
+    assert ckpt_offload.attachment.ATTR in model.__dict__
     peak = hf_peak()
     assert abs(plan.predicted_peak_bytes - peak) <= 0.10 * peak and peak <= 1.05 * budget, (plan.modes, peak)
     assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters()), plan.modes

@@ -55,7 +55,7 @@ def test_backward_prefetches_nothing_of_another_graph_kept_alive(from_middle):
     model = make_model(layers=6, hidden=32, heads=4, max_len=64)
     ref = make_model(layers=6, hidden=32, heads=4, max_len=64)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, prefetch=2)
-    session = model._ckpt_offload_state.session
+    session = model._ckpt_offload.session
     if not from_middle:
         session.defer_prefetch = False
     ids_a, ids_b = make_batch(seed=1, seq=48), make_batch(seed=2, seq=40)

@@ -12,6 +12,8 @@ import functools
 import inspect
 import warnings
 
+import torch
+
 try:
     import transformers
     from transformers import TrainerCallback
@@ -22,14 +24,12 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from .. import policies
-from ..checkpointing import checkpoint_function
-from ..compile import layer_checkpoint_function
+from ..attachment import Attachment, owner_of
 from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
-from ..model import HF_STATE_ATTR as _STATE_ATTR
-from ..session import OffloadSession
+from ..model import checkpointing_state, disable_checkpointing
 
 
 # transformers renamed its switches during 5.x (gradient_checkpointing_* became
@@ -82,6 +82,18 @@ def training_args_checkpointing(args):
     return bool(args.gradient_checkpointing), dict(args.gradient_checkpointing_kwargs or {})
 
 
+def _transformers_model(where, model):
+    """The transformers model `model` is, or the one inside its wrapper (peft's PeftModel,
+    torch.compile's OptimizedModule, DataParallel)."""
+    target = owner_of(model) if isinstance(model, torch.nn.Module) else model
+    if not isinstance(target, transformers.PreTrainedModel):
+        raise TypeError(
+            f"{where}: model must be a transformers PreTrainedModel or a wrapper of one (peft's PeftModel, "
+            f"torch.compile's OptimizedModule, DataParallel), got {type(model).__name__}"
+        )
+    return target
+
+
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
            prefetch_bytes=None, policy=None, *, budget_bytes=None, example_inputs=None, loss_fn=None,
            host_budget_bytes=None, **checkpoint_kwargs):
@@ -93,59 +105,55 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     the outputs of scaled-dot-product attention, transformers' default, offloaded with the layer).
     Returns the 0-based indices of the checkpointed GradientCheckpointingLayer modules.
 
+    model: a PreTrainedModel, or a wrapper of one (peft's PeftModel, as get_peft_model and
+    SFTTrainer(peft_config=...) make; torch.compile's OptimizedModule; DataParallel). A model that
+    becomes a PeftModel afterwards keeps the configuration. Every argument is checked before the
+    model is touched: a call that raises leaves the earlier configuration as it was.
+
+    When transformers' own enable runs again on the model (a Trainer or SFTTrainer with
+    gradient_checkpointing on does, at the start of training), this configuration stays in force,
+    with one warning; transformers' own disable (or disable(model)) removes it.
+
     With budget_bytes: ckpt_offload.plan_memory(model, example_inputs, budget_bytes, loss_fn=...,
     host_budget_bytes=...) chooses a mode per layer instead, and the plan is applied and returned.
     """
-    if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(f"hf.enable: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    target = _transformers_model("hf.enable", model)
     if budget_bytes is not None:
-        return _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs)
+        return _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes,
+                               checkpoint_kwargs)
     _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
     _check_prefetch("hf.enable", prefetch, prefetch_bytes, keep_last)
     _check_bool("hf.enable", "offload", offload)
     _check_not_reentrant("hf.enable", checkpoint_kwargs.pop("use_reentrant", None))
     if policy is not None and "context_fn" in checkpoint_kwargs:
         raise ValueError("hf.enable: pass policy= or a context_fn, not both (policy builds the context_fn)")
+    if not target.supports_gradient_checkpointing:
+        raise ValueError(f"hf.enable: {type(target).__name__} does not support gradient checkpointing")
     policy = policies.prepare("hf.enable", policy)
-    checkpointing_enable(model, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
-    _forget(model)
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
-    model.__dict__[_STATE_ATTR] = (checkpointed, [], [])
-    contexts = policies.per_block("hf.enable", policy, checkpointed)
-    if not offload:
-        for i in checkpointed:
-            if contexts[i] is not None:  # the policy's offload outputs stay on the device, saved
-                layers[i]._gradient_checkpointing_func = checkpoint_function(None, True, context_fn=contexts[i],
-                                                                             **checkpoint_kwargs)
-        return checkpointed
-    if keep_last > len(checkpointed):
+    layers = [m for m in target.modules() if isinstance(m, GradientCheckpointingLayer)]
+    # transformers' own selection (PreTrainedModel._set_gradient_checkpointing): layer index % n == 0.
+    checkpointed = list(range(0, len(layers), every_n_layers))
+    if offload and keep_last > len(checkpointed):
         raise ValueError(
             f"hf.enable: keep_last={keep_last} is larger than the {len(checkpointed)} checkpointed layers; "
             f"use 0..{len(checkpointed)}"
         )
-    offloaded = checkpointed[: len(checkpointed) - keep_last]
-    session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    # Eager boundaries under torch.compile (see ckpt_offload.compile): the layers' bodies compile.
-    func = layer_checkpoint_function(session, False, **checkpoint_kwargs)
+    contexts = policies.per_block("hf.enable", policy, checkpointed)
+    # Everything is checked: from here on the model changes.
+    disable_checkpointing(target)
+    checkpointing_enable(target, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
+    checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
+    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    modes = ["none"] * len(layers)
     for i in checkpointed:
-        # The kept layers still mark where backward reaches them, to start earlier reloads.
-        ctx = {} if contexts[i] is None else {"context_fn": contexts[i]}
-        layers[i]._gradient_checkpointing_func = layer_checkpoint_function(session, i not in offloaded,
-                                                                           **checkpoint_kwargs, **ctx)
-    # Modules that checkpoint their children themselves (older model code) offload too.
-    for m in model.modules():
-        if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer):
-            if m.gradient_checkpointing:
-                m._gradient_checkpointing_func = func
-    hooks = session.attach(model, [layers[i] for i in checkpointed])
-    model.__dict__[_STATE_ATTR] = (checkpointed, offloaded, hooks)
+        modes[i] = "checkpoint+offload" if i in offloaded else "checkpoint"
+    Attachment(target, layers, modes, hf=True, contexts=contexts, checkpoint_kwargs=checkpoint_kwargs,
+               prefetch=prefetch, prefetch_bytes=prefetch_bytes).attach()
     return checkpointed
 
 
-def _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs):
-    from ..model import disable_checkpointing
-    from ..planner import plan_memory
+def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs):
+    from ..planner import _check_budget, plan_memory
 
     if not isinstance(example_inputs, tuple):
         raise TypeError(
@@ -154,34 +162,27 @@ def _enable_planned(model, budget_bytes, example_inputs, loss_fn, host_budget_by
         )
     if checkpoint_kwargs:
         raise TypeError(f"hf.enable: budget_bytes takes no checkpoint keywords, got {sorted(checkpoint_kwargs)}")
-    checkpointing_disable(model)
-    _forget(model)
-    disable_checkpointing(model)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"hf.enable: loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    _check_budget("hf.enable", budget_bytes, host_budget_bytes)
+    disable(target)
     plan = plan_memory(model, example_inputs, budget_bytes, loss_fn=loss_fn, host_budget_bytes=host_budget_bytes)
     plan.apply(model)
     return plan
 
 
 def disable(model) -> None:
-    """transformers' own checkpointing off, and forgets the offload settings (and a plan's modes)."""
-    from ..model import disable_checkpointing
-
-    disable_checkpointing(model)
-    checkpointing_disable(model)
-    _forget(model)
-
-
-def _forget(model):
-    previous = model.__dict__.pop(_STATE_ATTR, None)
-    if previous is not None:
-        for hook in previous[2]:
-            hook.remove()
+    """transformers' own checkpointing off, and ckpt_offload's configuration (offload, a plan's
+    modes) gone. model: as for enable()."""
+    target = _transformers_model("hf.disable", model)
+    disable_checkpointing(target)
+    checkpointing_disable(target)
 
 
 def state(model):
-    """(checkpointed indices, offloaded indices) set by enable(), or None."""
-    st = model.__dict__.get(_STATE_ATTR)
-    return None if st is None else (st[0], st[1])
+    """(checkpointed indices, offloaded indices) of a model enable() configured, read off what its
+    layers run (see ckpt_offload.checkpointing_state), or None."""
+    return checkpointing_state(model)
 
 
 class OffloadCallback(TrainerCallback):
@@ -278,7 +279,7 @@ def install() -> None:
         where = f"{type(self).__name__}.{name.lstrip('_')} under hf.install()"
         _check_bool(where, "offload", offload)
         if not offload:
-            _forget(self)  # transformers' own checkpointing replaces ours: our hooks go
+            disable_checkpointing(self)  # transformers' own checkpointing replaces ours: our hooks go
             return original(*bound.args, **bound.kwargs)
         checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
         _check_not_reentrant(where, checkpoint_kwargs.pop("use_reentrant", None))
@@ -294,7 +295,7 @@ def install() -> None:
 
     @functools.wraps(off_original)
     def routed_off(self, *args, **kwargs):
-        _forget(self)
+        disable_checkpointing(self)
         return off_original(self, *args, **kwargs)
 
     for n, f in ((name, routed), (off_name, routed_off)):
