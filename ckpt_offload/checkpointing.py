@@ -1,6 +1,7 @@
 """ckpt_offload.checkpoint: torch's non-reentrant checkpoint with its saved inputs offloaded."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -72,6 +73,10 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     A selective-checkpoint context_fn offloads what its policy marks through the same session."""
     if "context_fn" in kwargs or "respect_saved_tensors_hooks" in kwargs:
         kwargs = policies.bind(kwargs, session, keep)
+    elif policies.HAS_RESPECT:
+        # Left out, torch takes None, which it plans to refuse under active saved-tensor hooks (ours
+        # are): False is what None means today, and it changes nothing without a context_fn.
+        kwargs = {**kwargs, "respect_saved_tensors_hooks": False}
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if not keep and not _container_warned:
@@ -89,8 +94,11 @@ def checkpoint_function(session, keep=False, **checkpoint_kwargs):
     return func
 
 
-def checkpoint(function, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
+def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
     """Drop-in for torch.utils.checkpoint.checkpoint (non-reentrant only).
+
+    Without a function (and no arguments) it returns a decorator, as torch's does:
+    ``@ckpt_offload.checkpoint(preserve_rng_state=False)`` above a function checkpoints each call.
 
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
@@ -106,6 +114,8 @@ def checkpoint(function, *args, offload: bool = True, use_reentrant=None, sessio
     ckpt_offload.policies.
     """
     _check_not_reentrant("ckpt_offload.checkpoint", use_reentrant)
+    if function is None and not args:
+        return _decorator(offload, session, kwargs)
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
@@ -113,3 +123,25 @@ def checkpoint(function, *args, offload: bool = True, use_reentrant=None, sessio
     if offload and session is None:
         session = default_session()
     return run_checkpoint(session if offload else None, function, args, kwargs)
+
+
+def _decorator(offload, session, options):
+    """checkpoint(**options) without a function: what checkpoint(fn, ...) runs, for fn decorated."""
+    _check_bool("ckpt_offload.checkpoint", "offload", offload)
+    unknown = [k for k in options if k not in _CHECKPOINT_KEYS]
+    if unknown:
+        raise ValueError(f"ckpt_offload.checkpoint: without a function it takes only checkpoint options "
+                         f"{list(_CHECKPOINT_KEYS)}, got {unknown}")
+
+    def decorate(function):
+        if not callable(function):
+            raise TypeError(f"ckpt_offload.checkpoint: the decorated object must be callable, "
+                            f"got {type(function).__name__}")
+
+        @functools.wraps(function)
+        def checkpointed(*args, **kwargs):
+            return checkpoint(function, *args, offload=offload, session=session, **options, **kwargs)
+
+        return checkpointed
+
+    return decorate
