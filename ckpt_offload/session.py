@@ -175,7 +175,10 @@ class OffloadSession:
         self._forward_starts: list[int] = []  # pack position where each forward began, ascending
         self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
-        self._module_ptrs: set = set()
+        # The storages of module weights and buffers, by identity: {storage address: StorageWeakRef}.
+        # The weak reference keeps the storage object's address from going to another storage; a
+        # data pointer would not (FSDP2 frees unsharded weights, and activations get the memory).
+        self._module_ptrs: dict = {}
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         self._track_modules = track_modules
         # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
@@ -228,7 +231,7 @@ class OffloadSession:
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
-        if self._module_ptrs and t.untyped_storage().data_ptr() in self._module_ptrs:
+        if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
             return False
         base = t._base
         if base is not None and (isinstance(base, torch.nn.Parameter) or type(base) is not torch.Tensor):
@@ -478,7 +481,7 @@ class OffloadSession:
         if self._tracking:
             _untrack(self)
             self._tracking = False
-        self._module_ptrs = set()
+        self._module_ptrs = {}
         self._deferred = []
         self.poll()
 
@@ -504,12 +507,12 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward)."""
         self.new_forward()
-        ptrs = set()
+        refs = {}
         for t in (*model.parameters(), *model.buffers()):
-            ptr = _storage_ptr(t)
-            if ptr:
-                ptrs.add(ptr)
-        self._module_ptrs = ptrs
+            ref = _storage_ref(t)
+            if ref is not None:
+                refs[ref.cdata] = ref
+        self._module_ptrs = refs
 
     def _note_module(self, module):
         inner = module._modules.get("_orig_mod")
@@ -519,9 +522,9 @@ class OffloadSession:
         else:
             tensors = (*module._parameters.values(), *module._buffers.values())
         for t in tensors:
-            ptr = _storage_ptr(t)
-            if ptr:
-                self._module_ptrs.add(ptr)
+            ref = _storage_ref(t)
+            if ref is not None:
+                self._module_ptrs[ref.cdata] = ref
 
     def poll(self):
         """The forward is over: every source goes back to the allocator now, those whose copy to
@@ -581,16 +584,17 @@ class _LayerHooks(torch.autograd.graph.saved_tensors_hooks):
         self._session.poll()
 
 
-def _storage_ptr(t):
-    """Data pointer of a plain tensor's storage, or of a DTensor's local tensor (to_local() hands
-    out plain views of it); None for other subclasses (fake tensors) and freed storages, which are
-    never offload candidates anyway."""
+def _storage_ref(t):
+    """A weak reference to a plain tensor's storage, or to a DTensor's local tensor's (to_local()
+    hands out plain views of it); None for other subclasses (fake tensors), never offload
+    candidates anyway. A storage freed by resize_(0) (FSDP2's reshard) keeps its identity: its
+    refilled data is the same weight's."""
     if t is not None and type(t) not in _PLAIN_TYPES:
         t = getattr(t, "_local_tensor", None)
     if t is None or type(t) not in _PLAIN_TYPES:
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        return StorageWeakRef(t.untyped_storage())
     except RuntimeError:
         return None
 
