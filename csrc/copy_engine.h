@@ -156,6 +156,10 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   const Break broken_;  // CKPT_OFFLOAD_TEST_BREAK (simulated runtime only)
   const std::unique_ptr<CopyRuntime> rt_;
   const bool cuda_;
+  // Never held while waiting for the GIL, so a thread that holds the GIL may wait for it
+  // (~OffloadHandle, run when Python drops a handle): under it nothing allocates (lock_with_dest)
+  // and no tensor is destroyed (garbage vectors, emptied after unlocking); it covers only state,
+  // events, copy launches and counters, none of which reach Python.
   std::mutex mu_;
   struct PendingSource {
     EventPtr done;
