@@ -144,7 +144,7 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
-    if offload and session is None and torch.is_grad_enabled():
+    if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # One session serves every call: without a boundary, a backward would reload the last
         # layer of another graph still alive (ya = f(xa); yb = f(xb); yb.sum().backward()).
         session = default_session()
