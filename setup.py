@@ -19,6 +19,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "ckpt_offload"))
 from _toolkit import find_cuda_toolkit  # noqa: E402  (stdlib only; shared with CMake and the loader)
+from _floor import CUDA_MIN, cuda_message, torch_message, torch_too_old, TORCH_MIN  # noqa: E402
 
 sys.path.pop(0)
 
@@ -34,6 +35,8 @@ def env_flag(name):
 
 import torch  # noqa: E402
 
+if torch_too_old(torch.__version__):
+    raise SystemExit(torch_message("ckpt_offload setup", torch.__version__))
 torch_has_cuda = torch.version.cuda is not None
 forced = env_flag("CKPT_OFFLOAD_WITH_CUDA")
 toolkit = find_cuda_toolkit() if forced is not False and torch_has_cuda else None
@@ -45,6 +48,13 @@ if forced is True and toolkit is None:
         "(looked at CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda*); set CUDA_HOME=/path/to/cuda"
     )
 with_cuda = toolkit is not None if forced is None else forced
+cuda_version = None
+if with_cuda:
+    with open(os.path.join(toolkit, "include", "cuda_runtime_api.h")) as f:
+        m = re.search(r"#define CUDART_VERSION\s+(\d+)", f.read())
+    cuda_version = (int(m.group(1)) // 1000, int(m.group(1)) % 1000 // 10) if m else None
+    if cuda_version is None or cuda_version < CUDA_MIN:
+        raise SystemExit(cuda_message("ckpt_offload setup", cuda_version, toolkit))
 if with_cuda:
     # torch.utils.cpp_extension reads CUDA_HOME once, when it is imported.
     os.environ["CUDA_HOME"] = toolkit
@@ -70,16 +80,11 @@ ext = Extension(
 )
 
 # The build record the loader compares with the running torch.
-cuda_version = None
-if with_cuda:
-    with open(os.path.join(toolkit, "include", "cuda_runtime_api.h")) as f:
-        m = re.search(r"#define CUDART_VERSION\s+(\d+)", f.read())
-    cuda_version = f"{int(m.group(1)) // 1000}.{int(m.group(1)) % 1000 // 10}" if m else None
 with open(os.path.join(ROOT, "ckpt_offload", "_build_info.py"), "w") as f:
     f.write("# Written by setup.py at build time; compared with the running torch on import.\n")
     f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
     f.write(f"WITH_CUDA = {with_cuda!r}\n")
-    f.write(f"CUDA_VERSION = {cuda_version!r}\n")
+    f.write(f"CUDA_VERSION = {'.'.join(map(str, cuda_version)) if cuda_version else None!r}\n")
     f.write(f"CUDA_HOME = {toolkit!r}\n")
 
 print(f"ckpt_offload setup: torch {torch.__version__}, CUDA build: {with_cuda}" + (f" (toolkit {toolkit})" if with_cuda else ""))
@@ -92,6 +97,6 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "packaging"],
+    install_requires=[f"torch>={TORCH_MIN}", "packaging"],
     extras_require={"hf": ["transformers>=5.0", "accelerate"], "test": ["pytest", "hypothesis"]},
 )

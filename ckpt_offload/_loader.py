@@ -2,6 +2,8 @@
 import torch
 from packaging.version import Version
 
+from ._floor import torch_message, torch_too_old
+
 REBUILD = "pip install --no-build-isolation -e .   (in the ckpt_offload source folder)"
 
 
@@ -22,6 +24,8 @@ def _release(version):
 def load():
     record = _record()
     installed = torch.__version__
+    if torch_too_old(installed):
+        raise ImportError(torch_message("ckpt_offload", installed))
     if record is not None and _release(record.TORCH_VERSION) != _release(installed):
         raise ImportError(
             f"ckpt_offload._C was built for torch {record.TORCH_VERSION} but torch {installed} is installed; "

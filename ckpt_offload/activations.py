@@ -32,8 +32,13 @@ class offload_activations:
         if self._hooks is not None:
             raise RuntimeError("offload_activations: this context is already active; create a new one to nest")
         self.session.begin()
-        self._hooks = self.session.hooks()
-        self._hooks.__enter__()
+        hooks = self.session.hooks()
+        try:
+            hooks.__enter__()  # refused inside disable_saved_tensors_hooks (as torch.func runs)
+        except BaseException:
+            self.session.end()  # leaves nothing behind: the process-wide module hook goes too
+            raise
+        self._hooks = hooks
         return self
 
     def __exit__(self, *exc):

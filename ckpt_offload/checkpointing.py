@@ -1,6 +1,8 @@
 """ckpt_offload.checkpoint: torch's non-reentrant checkpoint with its saved inputs offloaded."""
 from __future__ import annotations
 
+import collections
+import functools
 import warnings
 
 import torch
@@ -17,6 +19,13 @@ _CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "de
                     "respect_saved_tensors_hooks")
 
 _default_session = None
+# Where the default session's forwards (graphs) begin, learnt from the graph itself: each call
+# tags the autograd nodes of its inputs and outputs with the number of its forward (in the
+# nodes' metadata: nothing here holds a graph alive), and a call whose inputs reach no node of
+# the current forward within _WALK nodes upstream starts a new one.
+_TAG = "ckpt_offload.forward"
+_WALK = 64
+_forward = [0]  # the number of the default session's current forward
 _kwarg_warned = False
 _container_warned = False
 
@@ -70,14 +79,34 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device;
     keep=True: stay on device but start the reloads of earlier layers when backward reaches them).
     A selective-checkpoint context_fn offloads what its policy marks through the same session."""
+    if session is not None and _in_checkpoint():
+        # Nested in another checkpoint (its forward or its recompute): what this one saves lies in
+        # the outer's region, which saves nothing of it but recomputes it; a copy made now would
+        # never be reloaded. Plain in both, or the outer's recompute would save a different number
+        # of tensors than its forward (torch checks).
+        session = None
     if "context_fn" in kwargs or "respect_saved_tensors_hooks" in kwargs:
         kwargs = policies.bind(kwargs, session, keep)
+    elif policies.HAS_RESPECT:
+        # Left out, torch takes None, which it plans to refuse under active saved-tensor hooks (ours
+        # are): False is what None means today, and it changes nothing without a context_fn.
+        kwargs = {**kwargs, "respect_saved_tensors_hooks": False}
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if not keep and not _container_warned:
         warn_container_tensors(args)
     with session.hooks(keep=keep):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are a non-reentrant checkpoint's, in its forward or
+    its recompute (torch's pack hooks there are closures, known by their qualified names)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__qualname__", "").startswith(_TORCH_HOOKS)
+
+
+_TORCH_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 
 
 def checkpoint_function(session, keep=False, **checkpoint_kwargs):
@@ -89,8 +118,11 @@ def checkpoint_function(session, keep=False, **checkpoint_kwargs):
     return func
 
 
-def checkpoint(function, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
+def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
     """Drop-in for torch.utils.checkpoint.checkpoint (non-reentrant only).
+
+    Without a function (and no arguments) it returns a decorator, as torch's does:
+    ``@ckpt_offload.checkpoint(preserve_rng_state=False)`` above a function checkpoints each call.
 
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
@@ -106,10 +138,61 @@ def checkpoint(function, *args, offload: bool = True, use_reentrant=None, sessio
     ckpt_offload.policies.
     """
     _check_not_reentrant("ckpt_offload.checkpoint", use_reentrant)
+    if function is None and not args:
+        return _decorator(offload, session, kwargs)
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
+    if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # One session serves every call: without a boundary, a backward would reload the last
+        # layer of another graph still alive (ya = f(xa); yb = f(xb); yb.sum().backward()).
+        session = default_session()
+        if _forward_of(args) != _forward[0]:
+            _forward[0] += 1
+            session.new_forward()
+        out = run_checkpoint(session, function, args, kwargs)
+        for t in (*_pytree.tree_leaves(out), *args):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata[_TAG] = _forward[0]
+        return out
     if offload and session is None:
         session = default_session()
     return run_checkpoint(session if offload else None, function, args, kwargs)
+
+
+def _forward_of(args):
+    """The forward of the nearest tagged node upstream of the positional inputs (an earlier call's
+    output or input: the next layer, or a second branch of one input), None when there is none."""
+    todo = collections.deque(a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+    for _ in range(_WALK):  # nearest first: the ops between two layers are few
+        if not todo:
+            break
+        node = todo.popleft()
+        found = node.metadata.get(_TAG)
+        if found is not None:
+            return found
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+def _decorator(offload, session, options):
+    """checkpoint(**options) without a function: what checkpoint(fn, ...) runs, for fn decorated."""
+    _check_bool("ckpt_offload.checkpoint", "offload", offload)
+    unknown = [k for k in options if k not in _CHECKPOINT_KEYS]
+    if unknown:
+        raise ValueError(f"ckpt_offload.checkpoint: without a function it takes only checkpoint options "
+                         f"{list(_CHECKPOINT_KEYS)}, got {unknown}")
+
+    def decorate(function):
+        if not callable(function):
+            raise TypeError(f"ckpt_offload.checkpoint: the decorated object must be callable, "
+                            f"got {type(function).__name__}")
+
+        @functools.wraps(function)
+        def checkpointed(*args, **kwargs):
+            return checkpoint(function, *args, offload=offload, session=session, **options, **kwargs)
+
+        return checkpointed
+
+    return decorate

@@ -208,7 +208,8 @@ def _modes(policy_fn, allow_mutation, session, keep, offload_saves):
         return _tuc.create_selective_checkpoint_contexts(policy_fn, allow_mutation)
     storage: dict = {}
     send = None if session is None or keep else session
-    return _Caching(policy_fn, storage, send, offload_saves), _Cached(storage, session, allow_mutation)
+    caching = _Caching(policy_fn, storage, send, offload_saves, allow_mutation)
+    return caching, _Cached(storage, session, allow_mutation)
 
 
 # -- the dispatch modes ------------------------------------------------------------------------------
@@ -253,8 +254,9 @@ class _Caching(_CachingBase):
     def ignore_compile_internals(cls):
         return True
 
-    def __init__(self, policy_fn, storage, session, offload_saves):
+    def __init__(self, policy_fn, storage, session, offload_saves, allow_mutation=False):
         TorchDispatchMode.__init__(self)
+        self.allow_mutation = allow_mutation
         self.ac_graph_id = None  # what torch's checkpoint may read or set on its caching mode
         self.respect_saved_tensors_hooks = offload_saves
         self.policy_fn = policy_fn
@@ -289,7 +291,12 @@ class _Caching(_CachingBase):
         t = _detached(x)
         if self.session is None or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES:
             return _Kept(t)
-        return self.session.pack(t)  # the layer's group: prefetched with the layer's input
+        packed = self.session.pack(t)  # the layer's group: prefetched with the layer's input
+        if self.allow_mutation:
+            # The output may be written later on (allowed): the producing stream waits for the copy
+            # first, so that the copy is the value the op returned, never one half written.
+            self.session.poll()
+        return packed
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,5 +363,10 @@ class _Cached(_CachedBase):
                 )
             return x.val
         if isinstance(x, _Packed):
+            if self.allow_mutation:
+                # The mutation check is off, as torch's is for *_SAVE outputs with this flag: what
+                # comes back is the copy, the value the op returned (torch's *_SAVE hands back the
+                # tensor itself, writes included).
+                x.version = x.kept._version if x.kept is not None else x.counter.value
             return self.session.unpack(x)
         return x

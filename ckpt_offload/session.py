@@ -31,11 +31,12 @@ def test_cpu_enabled() -> bool:
 
 
 class _Record:
-    """One offloaded byte range of a storage: the engine handle while away, the tensor once back."""
+    """One offloaded byte range of a storage: the engine handle (the host copy, for as long as the
+    record lives), and the tensor once back while views sharing it are still to be unpacked."""
 
     __slots__ = (
         "handle", "engine", "nbytes", "seq", "group", "prefetched", "tensor", "storage_offset", "counter",
-        "version", "__weakref__",
+        "version", "users", "left", "task", "__weakref__",
     )
 
     def __init__(self, handle, engine, seq, group, storage_offset, counter, version):
@@ -44,11 +45,14 @@ class _Record:
         self.nbytes = handle.nbytes
         self.seq = seq  # the last pack that uses this copy: where backward needs it first
         self.group = group  # the checkpoint call (layer) of that pack
-        self.prefetched = False
+        self.prefetched = False  # a reload is on its way (started ahead of the fetch)
         self.tensor = None
         self.storage_offset = storage_offset
         self.counter = counter  # the source's version counter, and its value when offloaded
         self.version = version
+        self.users = 0  # the packs attached to this copy (views of one range share it)
+        self.left = 0  # of those, how many this backward has still to unpack while tensor is held
+        self.task = None  # the backward (graph task) that fetched it last: not prefetched again there
 
 
 class _Packed:
@@ -76,6 +80,7 @@ def _attach(packed, rec, counter, view):
     if view:
         packed.view = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - rec.storage_offset)
     packed.record = rec
+    rec.users += 1
     packed.counter = counter
     packed.source = weakref.ref(t)
     packed.kept = None
@@ -170,7 +175,10 @@ class OffloadSession:
         self._forward_starts: list[int] = []  # pack position where each forward began, ascending
         self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
-        self._module_ptrs: set = set()
+        # The storages of module weights and buffers, by identity: {storage address: StorageWeakRef}.
+        # The weak reference keeps the storage object's address from going to another storage; a
+        # data pointer would not (FSDP2 frees unsharded weights, and activations get the memory).
+        self._module_ptrs: dict = {}
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         self._track_modules = track_modules
         # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
@@ -237,7 +245,7 @@ class OffloadSession:
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
-        if self._module_ptrs and t.untyped_storage().data_ptr() in self._module_ptrs:
+        if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
             return False
         base = t._base
         if base is not None and (isinstance(base, torch.nn.Parameter) or type(base) is not torch.Tensor):
@@ -382,13 +390,27 @@ class OffloadSession:
 
     # -- reload --------------------------------------------------------------------------------
     def _load(self, rec, packed):
-        if rec.tensor is None:
-            rec.tensor = rec.engine.fetch(rec.handle)  # first: the copy needed now goes first
-            rec.handle = None  # fetched: the host block is back in the pool
-            # The pack being unpacked, not the record's: a copy shared with a later graph's pack
-            # sits among that graph's entries, and this backward must not reload those.
-            self._reload_point(packed.seq, packed.group)
-        return rec.tensor
+        t = rec.tensor
+        if t is not None:  # a view sharing the copy, unpacked before: the last one lets it go
+            rec.left -= 1
+            if rec.left <= 0:
+                rec.tensor = None
+            return t
+        # The host copy stays until the record dies: autograd does not tell unpack hooks whether
+        # this backward retains the graph, and a retained graph must be reloaded (with prefetch)
+        # by the next one. The device copy is not held here: autograd holds it as long as a node
+        # needs it, and then it goes, retained graph or not. Without retain_graph the record dies
+        # when its node is released, so the block returns to the pool a node later than at the
+        # fetch, long after the pool's peak (the end of the forward), and nothing is copied twice.
+        t = rec.engine.fetch(rec.handle, True)  # first: the copy needed now goes first
+        rec.prefetched = False
+        rec.task = _graph_task_id() if _graph_task_id is not None else -1
+        if rec.users > 1:
+            rec.tensor, rec.left = t, rec.users - 1
+        # The pack being unpacked, not the record's: a copy shared with a later graph's pack
+        # sits among that graph's entries, and this backward must not reload those.
+        self._reload_point(packed.seq, packed.group)
+        return t
 
     def _reload_point(self, seq, group):
         """Backward reached the tensor packed at seq: start the reloads of what was packed before
@@ -424,13 +446,12 @@ class OffloadSession:
         forward (see new_forward), nearest first."""
         if self.prefetch <= 0:
             return
+        task = _graph_task_id() if _graph_task_id is not None else -1
         with self._lock:
             seqs, refs = self._seqs, self._refs
-            # Drop finished entries at the tail: backward consumes the newest first.
-            while refs:
-                last = refs[-1]()
-                if last is not None and last.handle is not None:
-                    break
+            # Drop dead entries at the tail: backward consumes the newest first. A record fetched
+            # but alive (a retained graph) stays: the next backward reloads it.
+            while refs and refs[-1]() is None:
                 seqs.pop()
                 refs.pop()
             i = bisect_left(seqs, seq) - 1
@@ -446,7 +467,7 @@ class OffloadSession:
             while i >= 0 and seqs[i] >= lowest:
                 r = refs[i]()
                 i -= 1
-                if r is None or r.handle is None:
+                if r is None or r.task == task:  # fetched by this backward already
                     continue
                 if not by_layer or r.group != group:  # a new unit: a layer's tensors go together
                     if queued >= self.prefetch:
@@ -460,9 +481,7 @@ class OffloadSession:
                     r.prefetched = True
                     todo.append(r)
         for r in todo:
-            handle = r.handle
-            if handle is not None:
-                r.engine.prefetch(handle)
+            r.engine.prefetch(r.handle)
 
     # -- context -------------------------------------------------------------------------------
     def begin(self):
@@ -476,7 +495,7 @@ class OffloadSession:
         if self._tracking:
             _untrack(self)
             self._tracking = False
-        self._module_ptrs = set()
+        self._module_ptrs = {}
         self._deferred = []
         self.poll()
 
@@ -502,12 +521,12 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward)."""
         self.new_forward()
-        ptrs = set()
+        refs = {}
         for t in (*model.parameters(), *model.buffers()):
-            ptr = _storage_ptr(t)
-            if ptr:
-                ptrs.add(ptr)
-        self._module_ptrs = ptrs
+            ref = _storage_ref(t)
+            if ref is not None:
+                refs[ref.cdata] = ref
+        self._module_ptrs = refs
 
     def _note_module(self, module):
         inner = module._modules.get("_orig_mod")
@@ -517,9 +536,9 @@ class OffloadSession:
         else:
             tensors = (*module._parameters.values(), *module._buffers.values())
         for t in tensors:
-            ptr = _storage_ptr(t)
-            if ptr:
-                self._module_ptrs.add(ptr)
+            ref = _storage_ref(t)
+            if ref is not None:
+                self._module_ptrs[ref.cdata] = ref
 
     def poll(self):
         """The forward is over: every source goes back to the allocator now, those whose copy to
@@ -579,16 +598,17 @@ class _LayerHooks(torch.autograd.graph.saved_tensors_hooks):
         self._session.poll()
 
 
-def _storage_ptr(t):
-    """Data pointer of a plain tensor's storage, or of a DTensor's local tensor (to_local() hands
-    out plain views of it); None for other subclasses (fake tensors) and freed storages, which are
-    never offload candidates anyway."""
+def _storage_ref(t):
+    """A weak reference to a plain tensor's storage, or to a DTensor's local tensor's (to_local()
+    hands out plain views of it); None for other subclasses (fake tensors), never offload
+    candidates anyway. A storage freed by resize_(0) (FSDP2's reshard) keeps its identity: its
+    refilled data is the same weight's."""
     if t is not None and type(t) not in _PLAIN_TYPES:
         t = getattr(t, "_local_tensor", None)
     if t is None or type(t) not in _PLAIN_TYPES:
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        return StorageWeakRef(t.untyped_storage())
     except RuntimeError:
         return None
 

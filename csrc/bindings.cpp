@@ -216,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("offload", &CopyEngine::offload, py::arg("tensor"), release_gil(),
            "Starts the copy to host; returns a handle, or None when the pool refused a block")
       .def("prefetch", &CopyEngine::prefetch, py::arg("handle"), release_gil())
-      .def("fetch", &CopyEngine::fetch, py::arg("handle"), release_gil())
+      .def("fetch", &CopyEngine::fetch, py::arg("handle"), py::arg("keep_host") = false, release_gil())
       .def("release", &CopyEngine::release, py::arg("handle"), release_gil())
       .def("poll", &CopyEngine::poll, release_gil())
       .def(

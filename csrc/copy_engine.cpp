@@ -272,9 +272,20 @@ at::Tensor CopyEngine::allocate_dest(const OffloadHandle& h) {
   return at::empty({h.span_elems_}, at::TensorOptions().dtype(h.dtype_).device(h.device_));
 }
 
-bool CopyEngine::needs_reload(const HandlePtr& h) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return h->state_ == HandleState::kOffloading || h->state_ == HandleState::kOnHost;
+at::Tensor CopyEngine::lock_with_dest(const OffloadHandle& h, std::unique_lock<std::mutex>& lock) {
+  // Allocation can reach Python (a dispatch mode, an out-of-memory observer), which takes the GIL;
+  // a thread holding the GIL may be waiting for this lock (~OffloadHandle, any binding that does
+  // not release the GIL). So nothing is allocated under the lock: when the state changed between
+  // the check and the lock (a handle fetched with keep_host goes back to on_host), let go and
+  // allocate again. Returns holding the lock, with a span whenever the state needs a reload.
+  at::Tensor fresh;
+  for (;;) {
+    lock.lock();
+    const bool needs = h.state_ == HandleState::kOffloading || h.state_ == HandleState::kOnHost;
+    if (!needs || fresh.defined()) return fresh;
+    lock.unlock();
+    fresh = allocate_dest(h);
+  }
 }
 
 void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
@@ -287,9 +298,9 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
     default:
       break;
   }
-  // Normally allocated by the caller before taking the lock (allocation can reach Python
-  // dispatch modes, which take the GIL); allocated here only if the state changed meanwhile.
-  h.dest_ = fresh.defined() ? std::move(fresh) : allocate_dest(h);
+  // Allocated by the caller before taking the lock (see lock_with_dest), never here.
+  TORCH_INTERNAL_ASSERT(fresh.defined(), "prefetch: no device span allocated for a reload");
+  h.dest_ = std::move(fresh);
   if (h.nbytes_ == 0) {
     h.state_ = HandleState::kPrefetching;
     return;
@@ -322,9 +333,9 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
 void CopyEngine::prefetch(const HandlePtr& h) {
   TORCH_CHECK_VALUE(h != nullptr, "prefetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "prefetch: the handle belongs to another engine");
-  at::Tensor fresh = needs_reload(h) ? allocate_dest(*h) : at::Tensor();
-  std::vector<at::Tensor> garbage;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<at::Tensor> garbage;  // destroyed after the lock is released
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  at::Tensor fresh = lock_with_dest(*h, lock);
   if (h->state_ == HandleState::kPrefetching || h->state_ == HandleState::kFetched) {
     garbage.push_back(std::move(fresh));  // another thread started it meanwhile
     return;
@@ -332,17 +343,17 @@ void CopyEngine::prefetch(const HandlePtr& h) {
   prefetch_locked(*h, std::move(fresh));
 }
 
-at::Tensor CopyEngine::fetch(const HandlePtr& h) {
+at::Tensor CopyEngine::fetch(const HandlePtr& h, bool keep_host) {
   TORCH_CHECK_VALUE(h != nullptr, "fetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "fetch: the handle belongs to another engine");
-  at::Tensor fresh = needs_reload(h) ? allocate_dest(*h) : at::Tensor();
   std::vector<at::Tensor> garbage;
   std::shared_ptr<HostBlock> block;
   at::Tensor dest;
   bool other_stream = false;
   c10::Stream current_stream(c10::Stream::DEFAULT, device_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    at::Tensor fresh = lock_with_dest(*h, lock);
     garbage.push_back(fresh);  // dropped after unlocking if prefetch_locked does not take it
     TORCH_CHECK(h->state_ != HandleState::kFetched,
                 "fetch: the handle was already fetched; expected state offloading, on_host or prefetching");
@@ -367,8 +378,16 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
     if (h->dest_.defined()) rt_->check_fetched(h->dest_.data_ptr(), h->nbytes_, h->id_);
     dest = std::move(h->dest_);
     h->dest_ = at::Tensor();
-    block = std::move(h->block_);  // back to the pool, tagged with the reload's event
-    h->state_ = HandleState::kFetched;
+    if (keep_host) {
+      // The block stays, tagged with this reload's event: a later reload reads it again, and
+      // whoever writes it after the handle dies orders itself after that read.
+      h->h2d_done_ = nullptr;
+      h->fetched_ = true;
+      h->state_ = HandleState::kOnHost;
+    } else {
+      block = std::move(h->block_);  // back to the pool, tagged with the reload's event
+      h->state_ = HandleState::kFetched;
+    }
     st_.tensors_fetched += 1;
     // Backward has begun: no source needs to stay held past this point.
     release_sources_locked(0, garbage);
@@ -382,7 +401,10 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h) {
 
 void CopyEngine::release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage) {
   if (h.state_ == HandleState::kReleased) return;
-  if (h.state_ != HandleState::kFetched) st_.tensors_released += 1;
+  // Unfetched: a handle fetched before with keep_host and back on the host was used, not dropped.
+  if (h.state_ != HandleState::kFetched && !(h.fetched_ && h.state_ == HandleState::kOnHost)) {
+    st_.tensors_released += 1;
+  }
   if (h.state_ == HandleState::kPrefetching && h.h2d_done_) {
     // The reload may still be writing dest: its stream must not reuse the memory before that.
     c10::OptionalDeviceGuard guard;

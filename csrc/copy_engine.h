@@ -77,6 +77,7 @@ class OffloadHandle {
   int64_t span_elems_ = 0;
   size_t nbytes_ = 0;
   bool compacted_ = false;
+  bool fetched_ = false;  // fetched at least once (with keep_host): its release is no "release unfetched"
   HandleState state_ = HandleState::kOnHost;
   std::shared_ptr<HostBlock> block_;
   EventPtr d2h_done_;
@@ -104,8 +105,10 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   // Starts the copy back to the device on the H2D stream. Idempotent.
   void prefetch(const HandlePtr& h);
   // Makes the current stream wait for the copy back and returns the tensor (same dtype, shape
-  // and strides; contiguous strides when compacted()).
-  at::Tensor fetch(const HandlePtr& h);
+  // and strides; contiguous strides when compacted()). keep_host: the handle keeps its host copy
+  // and goes back to on_host, to be reloaded again (a graph kept for another backward); else the
+  // block goes back to the pool.
+  at::Tensor fetch(const HandlePtr& h, bool keep_host = false);
   // Gives everything back without fetching. Idempotent.
   void release(const HandlePtr& h);
   // Drops sources whose device-to-host copy has completed; returns how many are still pending.
@@ -141,7 +144,7 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   void release_locked(OffloadHandle& h, std::vector<at::Tensor>& garbage);
   void prefetch_locked(OffloadHandle& h, at::Tensor fresh);
   at::Tensor allocate_dest(const OffloadHandle& h);
-  bool needs_reload(const HandlePtr& h);
+  at::Tensor lock_with_dest(const OffloadHandle& h, std::unique_lock<std::mutex>& lock);
   void poll_locked(std::vector<at::Tensor>& garbage);
   void release_sources_locked(size_t keep_bytes, std::vector<at::Tensor>& garbage);
   bool broken(Break b) const { return broken_ == b; }
@@ -153,6 +156,10 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   const Break broken_;  // CKPT_OFFLOAD_TEST_BREAK (simulated runtime only)
   const std::unique_ptr<CopyRuntime> rt_;
   const bool cuda_;
+  // Never held while waiting for the GIL, so a thread that holds the GIL may wait for it
+  // (~OffloadHandle, run when Python drops a handle): under it nothing allocates (lock_with_dest)
+  // and no tensor is destroyed (garbage vectors, emptied after unlocking); it covers only state,
+  // events, copy launches and counters, none of which reach Python.
   std::mutex mu_;
   struct PendingSource {
     EventPtr done;

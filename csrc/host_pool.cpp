@@ -12,7 +12,7 @@
 #include <vector>
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
-#include <cuda.h>  // driver types only: the functions come from cudaGetDriverEntryPointByVersion
+#include <cuda.h>  // driver types only: the functions come from the runtime's driver entry points
 #endif
 
 namespace ckpt_offload {
@@ -56,8 +56,12 @@ struct DriverCalls {
       auto load = [](const char* name, auto& fn) {
         void* ptr = nullptr;
         cudaDriverEntryPointQueryResult found{};
-        if (cudaGetDriverEntryPointByVersion(name, &ptr, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-            found != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+        const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &ptr, 12000, cudaEnableDefault, &found);
+#else  // CUDA 12.0-12.4: the unversioned query (removed in CUDA 13); setup.py refuses older toolkits
+        const cudaError_t err = cudaGetDriverEntryPoint(name, &ptr, cudaEnableDefault, &found);
+#endif
+        if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
           (void)cudaGetLastError();
           return false;
         }

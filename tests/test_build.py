@@ -64,3 +64,36 @@ def test_loader_ignores_local_version_tags(monkeypatch):
     public = torch.__version__.split("+")[0]
     monkeypatch.setattr(_build_info, "TORCH_VERSION", public + "+somebuild")
     assert _loader.load() is sys.modules["ckpt_offload._C"]
+
+
+# -- the version floor (ckpt_offload/_floor.py) ------------------------------------------------------
+def test_the_torch_floor_compares_releases():
+    from ckpt_offload import _floor
+
+    assert _floor.TORCH_MIN == "2.11"
+    assert not _floor.torch_too_old("2.11.0+cu130") and not _floor.torch_too_old("2.11.0a0+git1234")
+    assert not _floor.torch_too_old("2.15.0") and not _floor.torch_too_old("3.0.0")
+    assert _floor.torch_too_old("2.10.1") and _floor.torch_too_old("2.4.0+cpu")
+
+
+def test_the_loader_refuses_a_torch_below_the_floor(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    with pytest.raises(ImportError, match=r"torch 2\.10\.0\+cu128 is older than 2\.11, the oldest release "
+                                          r"ckpt_offload supports; install torch>=2\.11"):
+        _loader.load()
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="the toolkit check runs for a CUDA torch only")
+def test_setup_refuses_a_cuda_toolkit_below_the_floor(tmp_path):
+    import subprocess
+
+    toolkit = fake_toolkit(str(tmp_path / "cuda-11.8"))
+    with open(os.path.join(toolkit, "include", "cuda_runtime_api.h"), "w") as f:
+        f.write("#define CUDART_VERSION 11080\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = open(os.path.join(root, "ckpt_offload", "_build_info.py")).read()
+    env = dict(os.environ, CUDA_HOME=toolkit, CKPT_OFFLOAD_WITH_CUDA="1")
+    run = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert f"the CUDA toolkit at {toolkit} is 11.8, older than 12.0" in run.stderr
+    assert open(os.path.join(root, "ckpt_offload", "_build_info.py")).read() == before  # nothing written

@@ -112,6 +112,32 @@ def test_handle_states_and_idempotent_prefetch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fetch_keeping_the_host_copy_reloads_again(device):
+    # A graph kept for another backward (retain_graph): the host copy stays, each fetch reloads it.
+    eng = engine(device)
+    t = make((256,), torch.float32, device)
+    h = eng.offload(t)
+    for i in range(3):
+        if i == 1:
+            eng.prefetch(h)
+            assert h.state == "prefetching"
+        out = eng.fetch(h, keep_host=True)
+        assert same(out, t) and h.state == "on_host" and h.host_bytes() is not None
+        assert eng.pool.stats()["in_use_bytes"] == 1024
+        out.zero_()  # the device copy is the caller's: writing it leaves the host copy alone
+    s = eng.stats()
+    assert s["tensors_fetched"] == 3 and s["tensors_prefetched"] == 3 and s["reloads_on_demand"] == 2
+    assert same(eng.fetch(h), t) and h.state == "fetched"  # the last one gives the block back
+    assert eng.pool.stats()["in_use_bytes"] == 0
+    h2 = eng.offload(t)
+    eng.fetch(h2, keep_host=True)
+    del h2  # dropped on the host after a fetch: back to the pool, and not counted as released unfetched
+    gc.collect()
+    eng.synchronize()
+    assert eng.pool.stats()["in_use_bytes"] == 0 and eng.stats()["tensors_released"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_release_without_fetch_returns_everything(device):
     eng = engine(device)
     if device == "cuda":

@@ -358,17 +358,18 @@ def test_retain_graph_two_backwards(device, test_cpu):
     model = make_model(device=device)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
     loss = loss_of(model, ids)
+    offloaded = ckpt_offload.stats()["bytes_offloaded"]
     loss.backward(retain_graph=True)
-    assert in_use() == 0
+    assert in_use() == offloaded  # the host copies stay for the next backward
     once = grads(model)
     loss.backward()
-    assert in_use() == 0
     assert_grads(grads(model), expected, device, "two backwards")
     assert_grads({k: 2 * v for k, v in once.items()}, expected, device, "2 x one backward")
     del loss
     settle(device)
+    assert in_use() == 0
     s = ckpt_offload.stats()
-    assert s["tensors_offloaded"] == 6 and s["tensors_fetched"] == 6
+    assert s["tensors_offloaded"] == 6 and s["tensors_fetched"] == 12  # reloaded by each backward
 
 
 @pytest.mark.parametrize("device", DEVICES)
