@@ -90,14 +90,33 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Decoder(nn.Module):
-    """Embedding, blocks, norm, a small LM head (small vocab: the blocks' activations dominate)."""
+class MLPBlock(nn.Module):
+    """LayerNorm and a GELU MLP with a residual: at small sizes a block whose compute is negligible
+    beside the host's work per layer (the host-overhead benchmark's block)."""
 
-    def __init__(self, a, device, dtype):
+    def __init__(self, hidden, width, **fk):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, **fk)
+        self.up = nn.Linear(hidden, width, **fk)
+        self.down = nn.Linear(width, hidden, **fk)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, norm, a small LM head (small vocab: the blocks' activations dominate).
+    block="mlp": MLPBlock blocks instead of transformer blocks."""
+
+    def __init__(self, a, device, dtype, block="transformer"):
         super().__init__()
         fk = dict(device=device, dtype=dtype)
         self.embed = nn.Embedding(a.vocab, a.hidden, **fk)
-        self.layers = nn.ModuleList(Block(a.hidden, a.heads, a.kv_heads, a.mlp, a.rope, **fk) for _ in range(a.layers))
+        if block == "mlp":
+            self.layers = nn.ModuleList(MLPBlock(a.hidden, a.mlp, **fk) for _ in range(a.layers))
+        else:
+            self.layers = nn.ModuleList(Block(a.hidden, a.heads, a.kv_heads, a.mlp, a.rope, **fk)
+                                        for _ in range(a.layers))
         self.norm = RMSNorm(a.hidden, **fk)
         self.head = nn.Linear(a.hidden, a.vocab, bias=False, **fk)
         self.layer_call = None  # set by the sync_offload mode: how each block is called

@@ -37,6 +37,29 @@ def timed_step(model, ids, ctx, cuda):
     return start.elapsed_time(end)
 
 
+def host_timed_step(model, ids, ctx, cuda):
+    """One step's host time: wall time (perf_counter) and the process's CPU time (process_time) from
+    the forward's start until backward returns, and on a GPU its device time (CUDA events around
+    the same span): the step is host-bound when device and host time are close, since the device
+    then waits for the host to queue its kernels. On a shared CPU the CPU time leaves out the spells
+    the process waited for a core. Starts from a settled device and a collected heap, so that
+    neither the previous step's queue nor its garbage counts."""
+    settle(cuda)
+    gc.collect()
+    start = end = None
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0, c0 = time.perf_counter(), time.process_time()
+    train_step(model, ids, ctx)
+    wall, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+    if not cuda:
+        return dict(host_ms=wall, cpu_ms=cpu, device_ms=None)
+    end.record()
+    end.synchronize()
+    return dict(host_ms=wall, cpu_ms=cpu, device_ms=start.elapsed_time(end))
+
+
 def settle(cuda):
     if cuda:
         torch.cuda.synchronize()
@@ -76,12 +99,14 @@ def summarize_steps(steps):
                 tensors_kept_on_device=sum(x["tensors_kept_on_device"] for x in steps))
 
 
-def interleaved_timing(modes, prepare, a, cuda, seq):
+def interleaved_timing(modes, prepare, a, cuda, seq, timer=None):
     """Warm-up steps of every mode, then a.steps rounds, each timing one step of every mode, the
     order rotated by one from round to round: a slow spell of the machine then falls on every mode
     alike, not on whichever mode was running, and round i of two modes makes a pair. prepare(mode)
-    puts the model in that mode and returns (model, ids, ctx). Returns ({mode: [step figures]},
-    {mode: error row}); a mode that fails leaves the rotation."""
+    puts the model in that mode and returns (model, ids, ctx); timer(model, ids, ctx, cuda) times
+    one step (default one_timed_step). Returns ({mode: [step figures]}, {mode: error row}); a mode
+    that fails leaves the rotation."""
+    timer = timer or one_timed_step
     steps, failed = {m: [] for m in modes}, {}
     settle(cuda)
     # Every length starts from an empty host pool, so that no other length's blocks serve this one.
@@ -105,7 +130,7 @@ def interleaved_timing(modes, prepare, a, cuda, seq):
         for mode in order:
             def step(mode=mode):
                 model, ids, ctx = prepare(mode)
-                steps[mode].append(one_timed_step(model, ids, ctx, cuda))
+                steps[mode].append(timer(model, ids, ctx, cuda))
             guarded(mode, step)
     return steps, failed
 
