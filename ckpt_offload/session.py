@@ -283,7 +283,10 @@ class OffloadSession:
         t = packed.kept
         ref = StorageWeakRef(t.untyped_storage())
         start = t.storage_offset()
-        end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        if t.is_contiguous():
+            end = start + t.numel()
+        else:
+            end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
         version = packed.version
         counter = _engine._C.VersionCounter(t)
         with self._lock:
@@ -489,10 +492,20 @@ class OffloadSession:
         before each forward of the model: it also starts a new forward (see new_forward)."""
         self.new_forward()
         ptrs = set()
-        for t in (*model.parameters(), *model.buffers()):
-            ptr = _storage_ptr(t)
-            if ptr:
-                ptrs.add(ptr)
+        # The tensors of model.parameters() and model.buffers(), in one walk over the modules
+        # (model.modules() re-yields each module through every generator above it).
+        todo, seen = [model], set()
+        while todo:
+            m = todo.pop()
+            if m is None or id(m) in seen:
+                continue
+            seen.add(id(m))
+            for tensors in (m._parameters, m._buffers):
+                for t in tensors.values():
+                    ptr = _storage_ptr(t)
+                    if ptr:
+                        ptrs.add(ptr)
+            todo.extend(m._modules.values())
         self._module_ptrs = ptrs
 
     def _note_module(self, module):
