@@ -128,6 +128,8 @@ def _off(session) -> bool:
 
 def _grad_node(out):
     """The autograd node of the first tensor in out that carries a gradient, else None."""
+    if type(out) is torch.Tensor:  # the common case, without flattening a pytree
+        return out.grad_fn if out.requires_grad else None
     for t in torch.utils._pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
             return t.grad_fn

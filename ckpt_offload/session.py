@@ -215,12 +215,11 @@ class OffloadSession:
             # Around a whole forward, a leaf that needs grad is a weight held elsewhere: copying it
             # frees nothing. A checkpoint's own positional inputs are always offloaded.
             return False
-        dev = t.device.type
-        if dev != "cuda" and not (dev == "cpu" and self.test_cpu):
+        if not t.is_cuda and not (self.test_cpu and t.is_cpu):
             return False
         if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
             return False
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
         if self._module_ptrs and t.untyped_storage().data_ptr() in self._module_ptrs:
@@ -329,15 +328,16 @@ class OffloadSession:
         with self._lock:
             seq = packed.seq
             rec = _Record(handle, eng, seq, packed.group, start, counter, version)
+            rec_ref = weakref.ref(rec)
             self._seqs.append(seq)
-            self._refs.append(weakref.ref(rec))
+            self._refs.append(rec_ref)
             if len(self._refs) >= self._compact_at:
                 self._compact()
             if not handle.compacted:
                 entries = self._by_storage.setdefault(ref, [])
-                # A storage that outlives its graphs (an input fed every step) keeps one list.
-                entries[:] = [e for e in entries if e[0]() is not None]
-                entries.append((weakref.ref(rec), start, end, t.dtype))
+                if entries:  # a storage that outlives its graphs (an input fed every step) keeps one list
+                    entries[:] = [e for e in entries if e[0]() is not None]
+                entries.append((rec_ref, start, end, t.dtype))
                 if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
         _attach(packed, rec, counter, view=src is not t)
@@ -491,21 +491,8 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward)."""
         self.new_forward()
-        ptrs = set()
-        # The tensors of model.parameters() and model.buffers(), in one walk over the modules
-        # (model.modules() re-yields each module through every generator above it).
-        todo, seen = [model], set()
-        while todo:
-            m = todo.pop()
-            if m is None or id(m) in seen:
-                continue
-            seen.add(id(m))
-            for tensors in (m._parameters, m._buffers):
-                for t in tensors.values():
-                    ptr = _storage_ptr(t)
-                    if ptr:
-                        ptrs.add(ptr)
-            todo.extend(m._modules.values())
+        # The storages of model.parameters() and model.buffers() (see _storage_ptr), walked in _C.
+        ptrs = _engine._C.module_storage_ptrs(model)
         self._module_ptrs = ptrs
 
     def _note_module(self, module):

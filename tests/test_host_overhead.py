@@ -96,3 +96,35 @@ def test_only_the_midpoint_child_keeps_a_hook_once_learned():
     assert state is not None and ckpt_offload.stats()["midpoint_misses"] == 0
     ckpt_offload.disable_checkpointing(model)
     assert not any(c._forward_hooks for b in model for c in b.children())
+
+
+def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
+    # The walk before each forward runs in _C; it must find what model.parameters() and
+    # model.buffers() hold: shared modules once, None and freed buffers skipped, a tensor subclass
+    # with a local tensor (a DTensor) by that local tensor.
+    from ckpt_offload.engine import _C
+    from ckpt_offload.session import _storage_ptr
+
+    class Local(torch.Tensor):
+        pass
+
+    model = make(3)
+    shared = nn.Linear(4, 4)
+    model.add_module("a", shared)
+    model.add_module("b", shared)
+    model.add_module("norm", nn.BatchNorm1d(4))  # 2 parameters, 3 buffers (running stats, a counter)
+    model.register_buffer("nothing", None)
+    model.register_buffer("freed", torch.zeros(8))
+    model.freed.untyped_storage().resize_(0)
+    local = torch.randn(5)
+    sub = local.as_subclass(Local)
+    sub._local_tensor = local
+    model.a.register_buffer("sharded", sub)
+    expected = {p for p in map(_storage_ptr, (*model.parameters(), *model.buffers())) if p}
+    assert local.untyped_storage().data_ptr() in expected and len(expected) == 3 * 6 + 2 + 5 + 1
+    assert _C.module_storage_ptrs(model) == expected
+    # What a session excludes before a forward is that set.
+    session = ckpt_offload.OffloadSession()
+    session.exclude_module_tensors(model)
+    assert session._module_ptrs == expected
+    assert not session._is_candidate(model.norm.running_mean)  # a buffer passed on as an input
