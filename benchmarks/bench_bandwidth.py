@@ -19,8 +19,12 @@ import torch
 
 import ckpt_offload
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import fmt_bytes, hardware_info, print_table, progress_bar  # noqa: E402
+if not __package__:  # run as a script: find the benchmarks package beside it
+    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _ROOT not in sys.path:
+        sys.path.append(_ROOT)
+from benchmarks.hardware import hardware_info  # noqa: E402
+from benchmarks.report import fmt_bytes, print_table, progress_bar  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_LABEL = "CPU host path (no GPU): not representative of a GPU link"

@@ -37,13 +37,16 @@ class Midpoints:
         self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
         self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
         self.handles = []
+        self._child_hooks = {}  # block -> [(child, handle)]: all until the midpoint is known, then its own
         for b in blocks:
             kids = list(b.children())
             self.handles.append(b.register_forward_pre_hook(self._block_pre))
             # always_call: a forward that raises still ends the learning, so the nodes it kept go.
             self.handles.append(b.register_forward_hook(self._block_post, always_call=True))
+            hooks = self._child_hooks[b] = []
             for c in kids:
-                self.handles.append(c.register_forward_hook(functools.partial(self._child_post, b)))
+                hooks.append((c, c.register_forward_hook(functools.partial(self._child_post, b))))
+                self.handles.append(hooks[-1][1])
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -116,6 +119,11 @@ class Midpoints:
         i = min(with_grad, key=lambda j: (abs(j - middle), j))
         self.mid[block] = order[i]
         nodes[order[i]].register_prehook(self._fire)  # this forward's midpoint too
+        # Only the midpoint's hook is needed from now on: the other children's go, once per block
+        # (a module with no hooks runs torch's fast call path, in the forward and in the recompute).
+        for child, handle in self._child_hooks.pop(block, ()):
+            if child is not order[i]:
+                handle.remove()
 
     def _fire(self, grad_outputs):
         self.session.flush_prefetch()
@@ -129,6 +137,8 @@ def _off(session) -> bool:
 
 def _grad_node(out):
     """The autograd node of the first tensor in out that carries a gradient, else None."""
+    if type(out) is torch.Tensor:  # the common case, without flattening a pytree
+        return out.grad_fn if out.requires_grad else None
     for t in torch.utils._pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
             return t.grad_fn

@@ -237,12 +237,11 @@ class OffloadSession:
             # Around a whole forward, a leaf that needs grad is a weight held elsewhere: copying it
             # frees nothing. A checkpoint's own positional inputs are always offloaded.
             return False
-        dev = t.device.type
-        if dev != "cuda" and not (dev == "cpu" and self.test_cpu):
+        if not t.is_cuda and not (self.test_cpu and t.is_cpu):
             return False
         if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
             return False
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
         if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
@@ -305,7 +304,10 @@ class OffloadSession:
         t = packed.kept
         ref = StorageWeakRef(t.untyped_storage())
         start = t.storage_offset()
-        end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        if t.is_contiguous():
+            end = start + t.numel()
+        else:
+            end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
         version = packed.version
         counter = _engine._C.VersionCounter(t)
         with self._lock:
@@ -348,15 +350,16 @@ class OffloadSession:
         with self._lock:
             seq = packed.seq
             rec = _Record(handle, eng, seq, packed.group, start, counter, version)
+            rec_ref = weakref.ref(rec)
             self._seqs.append(seq)
-            self._refs.append(weakref.ref(rec))
+            self._refs.append(rec_ref)
             if len(self._refs) >= self._compact_at:
                 self._compact()
             if not handle.compacted:
                 entries = self._by_storage.setdefault(ref, [])
-                # A storage that outlives its graphs (an input fed every step) keeps one list.
-                entries[:] = [e for e in entries if e[0]() is not None]
-                entries.append((weakref.ref(rec), start, end, t.dtype))
+                if entries:  # a storage that outlives its graphs (an input fed every step) keeps one list
+                    entries[:] = [e for e in entries if e[0]() is not None]
+                entries.append((rec_ref, start, end, t.dtype))
                 if len(self._by_storage) > max(256, 2 * len(self._refs)):
                     self._prune_storages()
         _attach(packed, rec, counter, view=src is not t)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
 # extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
-# runs under `timeout`; the stage limits add up to TOTAL_S (default 480 s, 8 minutes), 65 s of them
-# for the step benchmark with every block compiled, 50 s for the --budget run.
+# runs under `timeout`; the stage limits add up to TOTAL_S (default 480 s, 8 minutes), 60 s of them
+# for the step benchmark with every block compiled, 50 s for the --budget run, 25 s for the host-overhead run.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
@@ -211,6 +211,20 @@ if hf:
            for r in hf["rows"]])
     print("checks:", ("; ".join(hf["problems"]) or "passed") if "problems" in hf
           else "INCOMPLETE: the script did not finish (see hf.log)")
+host = load("host/bench_host.json")
+if host:
+    print(f"\nhost time per step of tiny models ({host['timing']}), median of {host['config']['rounds']} rounds")
+    key = host["judged"]
+    table(["group", "mode", "ms", "/ref", "us/layer", "device ms", "host-bound"],
+          [[r["group"], r["mode"], f"{r[key]['median']:.2f}", ratio(r.get("ratio")),
+            "n/a" if r.get("us_per_layer_above_reference") is None else f"{r['us_per_layer_above_reference']:+.0f}",
+            "n/a" if not r.get("device_ms") else f"{r['device_ms']['median']:.2f}",
+            {True: "yes", False: "no"}.get(r.get("host_bound"), "n/a")] if key in r else [r["group"], r["mode"], r.get("error")]
+           + [""] * 4 for r in host["rows"]])
+    print("host targets: " + "; ".join(f"{t['mode']} {ratio(t['value'])} <= {t['threshold']:.2f}: "
+                                        + ("met" if t["met"] else ("MISSED" if t["met"] is False else "n/a"))
+                                        for t in host["targets"]))
+    print("host checks:", "; ".join(host["problems"]) or "passed")
 bw = load("bandwidth/bench_bandwidth.json")
 if bw and bw.get("gpu_rows"):
     rows = bw["gpu_rows"]
@@ -240,13 +254,15 @@ stage bandwidth 25 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
 # Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included, then a
 # varying-length pass (lengths 2048..8192 padded to 64, drawn per step): no host allocation after
 # the longest step.
-stage step 145 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 110 \
+stage step 125 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 90 \
   --lengths 2048:8192 --length-steps 12 --out "$OUT/step"
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
-stage step_compile 65 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
-  --budget-s 50 --out "$OUT/step_compile"
+stage step_compile 60 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
+  --budget-s 45 --out "$OUT/step_compile"
 stage budget 50 budget_run
 stage hf 30 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
+# Host time per step of tiny models, every mode beside what it replaces: host-bound or not, targets.
+stage host 25 "$PY" benchmarks/bench_host.py --rounds 11 --out "$OUT/host"
 stage summary 10 summary
 cat "$OUT/summary.log"
 echo "total: $((SECONDS - START))s"

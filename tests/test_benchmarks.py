@@ -121,6 +121,8 @@ def outputs(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check_out")
     runs = {"step": ["benchmarks/bench_step.py", "--config", "small"],
             "bandwidth": ["benchmarks/bench_bandwidth.py"],
+            "host": ["benchmarks/bench_host.py", "--rounds", "2", "--warmup", "1", "--layers", "4", "--decoder-layers", "2",
+                     "--hf-layers", "2"],
             # --compile at a CPU-friendly backend and a few modes (the GPU check runs all, with inductor)
             "step_compile": ["benchmarks/bench_step.py", "--config", "small", "--compile", "aot_eager",
                              "--modes", "none,full,async_offload,offload_activations", "--warmup", "1", "--steps", "2",
@@ -209,6 +211,7 @@ def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
     assert "not available" not in p.stdout and "INCOMPLETE" not in p.stdout
     assert "targets:" in p.stdout and "checks: passed" in p.stdout and "bandwidth checks: passed" in p.stdout
     assert "plan_memory for a budget" in p.stdout and "plan @ seq 64" in p.stdout
+    assert "host targets:" in p.stdout and "host checks: passed" in p.stdout
     if "hf" in procs:
         assert "transformers LlamaForCausalLM" in p.stdout
     assert "every block compiled (aot_eager)" in p.stdout
