@@ -13,9 +13,11 @@ import weakref
 from bisect import bisect_left, bisect_right
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine as _engine
+from . import timeline as _timeline
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
@@ -312,13 +314,15 @@ class OffloadSession:
             if storage_elems * t.element_size() <= 4 * t.numel() * t.element_size():
                 src = t.detach().as_strided((storage_elems,), (1,), 0)
                 start, end = 0, storage_elems
-        eng = self._engine_for(t.device)
+        eng = sender = self._engine_for(t.device)
+        if _timeline.enabled or _autograd_profiler._is_profiler_enabled:  # named for a profiler or a timeline
+            sender = _timeline.NamedEngine(eng, self, packed.group)
         stream = packed.stream
         if stream is not None and stream != torch.cuda.current_stream(t.device):
             with torch.cuda.stream(stream):  # order the copy after the producer, not today's stream
-                handle = eng.offload(src)
+                handle = sender.offload(src)
         else:
-            handle = eng.offload(src)
+            handle = sender.offload(src)
         if handle is None:
             _engine.count("tensors_kept_on_device")
             _warn_refused(eng)
@@ -369,7 +373,10 @@ class OffloadSession:
     # -- reload --------------------------------------------------------------------------------
     def _load(self, rec, packed):
         if rec.tensor is None:
-            rec.tensor = rec.engine.fetch(rec.handle)  # first: the copy needed now goes first
+            eng = rec.engine
+            if _timeline.enabled or _autograd_profiler._is_profiler_enabled:
+                eng = _timeline.NamedEngine(eng, self, rec.group, rec.prefetched)
+            rec.tensor = eng.fetch(rec.handle)  # first: the copy needed now goes first
             rec.handle = None  # fetched: the host block is back in the pool
             # The pack being unpacked, not the record's: a copy shared with a later graph's pack
             # sits among that graph's entries, and this backward must not reload those.
@@ -445,10 +452,11 @@ class OffloadSession:
                 if not r.prefetched:
                     r.prefetched = True
                     todo.append(r)
+        named = _timeline.enabled or _autograd_profiler._is_profiler_enabled
         for r in todo:
             handle = r.handle
             if handle is not None:
-                r.engine.prefetch(handle)
+                (_timeline.NamedEngine(r.engine, self, r.group) if named else r.engine).prefetch(handle)
 
     # -- context -------------------------------------------------------------------------------
     def begin(self):
