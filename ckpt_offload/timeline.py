@@ -236,8 +236,10 @@ class _Recorder:
 # -- the recording --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """One interval on one lane. kind: "forward", "backward", "wait" (compute lane), "d2h", "h2d" (copy
-    lanes), "alloc" (the host lane: pinned allocations). Times are milliseconds since the timeline began."""
+    """One interval on one lane. kind: "forward", "backward", "wait" (the compute stream waiting for a
+    reload), "offload_wait" (the stream that produced an offloaded tensor waiting for its copy before the
+    memory goes back to the allocator) on the compute lane; "d2h", "h2d" on the copy lanes; "alloc" (pinned
+    allocations) on the host lane. Times are milliseconds since the timeline began."""
 
     lane: str  # "compute", "D2H", "H2D" or "host"
     kind: str
@@ -260,7 +262,8 @@ class Span:
     def name(self) -> str:
         layer = f"layer {self.layer}" if self.layer is not None else ""
         what = {"forward": f"{layer} forward", "backward": f"{layer} backward", "d2h": f"offload {layer}",
-                "h2d": f"reload {layer}", "wait": f"wait {layer}", "alloc": "pinned allocation"}[self.kind]
+                "h2d": f"reload {layer}", "wait": f"wait {layer}", "offload_wait": f"offload wait {layer}",
+                "alloc": "pinned allocation"}[self.kind]
         return what.strip() + (" (on demand)" if self.on_demand and self.kind in ("h2d", "wait") else "")
 
 
@@ -292,7 +295,8 @@ class Timeline:
     def summary(self) -> dict:
         """Per direction: copies, bytes, copy time and GB/s; overlap_fraction: the part of the copy time
         during which the compute stream was busy (a layer's forward or backward, not waiting); per step, the
-        exposed wait (the compute stream waiting for reloads); the longest exposed wait and its layer."""
+        exposed wait: the compute stream waiting for reloads (reload_wait_ms_per_step) and for offload copies
+        of the sources it hands back (offload_wait_ms_per_step); the longest exposed wait and its layer."""
         out = {"steps": self.steps, "runtimes": dict(self.runtimes)}
         for kind in ("d2h", "h2d"):
             copies = [s for s in self.spans if s.kind == kind]
@@ -311,15 +315,21 @@ class Timeline:
                         overlapped += _covered(s.start_ms, s.end_ms, busy)
         out["copy_ms"] = copy_ms
         out["overlap_fraction"] = overlapped / copy_ms if copy_ms > 0 else None
-        waits = [s for s in self.spans if s.kind == "wait"]
-        per_step = [0.0] * self.steps
-        for s in waits:
-            per_step[s.step] += s.ms
-        out["exposed_wait_ms_per_step"] = per_step
-        out["waits"] = len(waits)
+        for kind in ("wait", "offload_wait"):
+            per_step = [0.0] * self.steps
+            for s in self.spans:
+                if s.kind == kind:
+                    per_step[s.step] += s.ms
+            out["reload_wait_ms_per_step" if kind == "wait" else "offload_wait_ms_per_step"] = per_step
+        waits = [s for s in self.spans if s.kind in ("wait", "offload_wait")]
+        out["exposed_wait_ms_per_step"] = [a + b for a, b in zip(out["reload_wait_ms_per_step"],
+                                                                 out["offload_wait_ms_per_step"])]
+        out["waits"] = sum(1 for s in waits if s.kind == "wait")
+        out["offload_waits"] = sum(1 for s in waits if s.kind == "offload_wait")
         longest = max(waits, key=lambda s: s.ms, default=None)
         out["longest_wait"] = None if longest is None else {
-            "ms": longest.ms, "layer": longest.layer, "step": longest.step, "on_demand": longest.on_demand}
+            "ms": longest.ms, "kind": "reload" if longest.kind == "wait" else "offload", "layer": longest.layer,
+            "step": longest.step, "on_demand": longest.on_demand}
         allocs = [s for s in self.spans if s.kind == "alloc"]
         out["pinned_allocations"] = {"count": len(allocs), "bytes": sum(s.bytes for s in allocs),
                                      "ms": sum(s.ms for s in allocs)}
@@ -353,7 +363,7 @@ class Timeline:
                     args["handle"] = s.handle
                 ev = {"name": s.name, "cat": s.kind, "ph": "X", "pid": pid, "tid": _LANES.index(s.lane) + 1,
                       "ts": s.start_ms * 1e3, "dur": max(s.ms, 0.0) * 1e3, "args": args}
-                if s.kind == "wait":
+                if s.kind in ("wait", "offload_wait"):
                     ev["cname"] = "terrible"  # red in chrome://tracing
                 events.append(ev)
         doc = {"traceEvents": events, "displayTimeUnit": "ms",
@@ -374,7 +384,7 @@ class Timeline:
         except ImportError as err:
             raise ImportError("Timeline.plot needs matplotlib (pip install matplotlib)") from err
         colors = {"forward": "#4c72b0", "backward": "#55a868", "d2h": "#8172b2", "h2d": "#64b5cd",
-                  "wait": "#d62728", "alloc": "#7f7f7f"}
+                  "wait": "#d62728", "offload_wait": "#8c1c13", "alloc": "#7f7f7f"}
         rows = []  # (device, lane), top to bottom
         for dev in self.devices:
             rows += [(dev, lane) for lane in _LANES if lane != "host" or self.lane("host", dev)]
@@ -383,12 +393,12 @@ class Timeline:
         for y, (dev, lane) in enumerate(rows):
             spans = self.lane(lane, dev)
             for s in spans:
-                # Waits lie inside backward spans on the compute lane: drawn over them, a little thinner.
-                h = 0.5 if s.kind == "wait" else 0.7
+                # Waits lie inside layer spans on the compute lane: drawn over them, a little thinner.
+                wait = s.kind in ("wait", "offload_wait")
+                h = 0.5 if wait else 0.7
                 ax.broken_barh([(s.start_ms, max(s.ms, end * 1e-4))], (y - h / 2, h), facecolors=colors[s.kind],
-                               edgecolor="white" if s.kind != "wait" else "#7f0000", linewidth=0.4,
-                               zorder=3 if s.kind == "wait" else 2)
-                if s.layer is not None and s.kind != "wait" and s.ms > end * 0.012:
+                               edgecolor="#7f0000" if wait else "white", linewidth=0.4, zorder=3 if wait else 2)
+                if s.layer is not None and not wait and s.ms > end * 0.012:
                     ax.text(s.start_ms + s.ms / 2, y, f"L{s.layer}", ha="center", va="center", fontsize=7,
                             color="white", zorder=4)
         ax.set_yticks(range(len(rows)))
@@ -407,15 +417,17 @@ class Timeline:
                 title += " (host-only path: copies run on the compute thread)"
         summary = self.summary()
         ov = summary["overlap_fraction"]
-        waits = summary["exposed_wait_ms_per_step"]
-        sub = (f"copy time under compute: {ov:.0%}" if ov is not None else "no copies") + (
-            f"; exposed wait per step: {', '.join(f'{w:.1f}' for w in waits)} ms" if waits else "")
+        ms = lambda key: ", ".join(f"{w:.1f}" for w in summary[key])  # noqa: E731
+        sub = f"copy time under compute: {ov:.0%}" if ov is not None else "no copies"
+        if summary["steps"]:
+            sub += (f"; exposed wait per step: {ms('exposed_wait_ms_per_step')} ms (reloads "
+                    f"{ms('reload_wait_ms_per_step')}, offloads {ms('offload_wait_ms_per_step')})")
         ax.set_title(f"{title}\n{sub}" + (f"  [{runtimes}]" if runtimes else ""), fontsize=10)
         legend = [Patch(color=colors[k], label=lbl) for k, lbl in (
             ("forward", "layer forward"), ("backward", "layer backward (recompute + grad)"),
-            ("d2h", "offload copy (D2H)"), ("h2d", "reload copy (H2D)"), ("wait", "reload wait (exposed)"),
-            ("alloc", "pinned allocation"))]
-        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8,
+            ("d2h", "offload copy (D2H)"), ("h2d", "reload copy (H2D)"), ("wait", "reload wait"),
+            ("offload_wait", "offload wait"), ("alloc", "pinned allocation"))]
+        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=7, fontsize=8,
                   frameon=False)
         fig.tight_layout()
         fig.savefig(path)
@@ -428,7 +440,7 @@ def _busy(tl, device):
     work = _union([(s.start_ms, s.end_ms) for s in tl.spans
                    if s.device == device and s.kind in ("forward", "backward")])
     holes = _union([(s.start_ms, s.end_ms) for s in tl.spans if s.device == device and (
-        s.kind == "wait" or (s.same_stream and s.kind in ("d2h", "h2d")))])
+        s.kind in ("wait", "offload_wait") or (s.same_stream and s.kind in ("d2h", "h2d")))])
     return _subtract(work, holes)
 
 
@@ -559,18 +571,22 @@ def _spans(records, recorder, layers, origin):
         return found
 
     on_demand = {r["id"] for r in records if r["kind"] == "wait" and r["flags"] & 1}
+    offloaded = {r["id"]: r["bytes"] for r in records if r["kind"] == "d2h"}
     for r in records:
         kind = r["kind"]
         if kind == "mark":
             continue
+        if kind == "wait" and r["flags"] & 2:  # the producer waiting for an offload copy (the handle's)
+            kind = "offload_wait"
+            r = dict(r, bytes=offloaded.get(r["id"], 0))
         if r["start_ns"] < 0 or r["end_ns"] < 0:
             unfinished += 1
             continue
         key = recorder.handles.get(r["id"]) if kind != "alloc" else None
         info = layers.info.get(key) if key is not None else None
         layer = info[1] if info is not None else None
-        step = step_at(r["start_ns"]) if kind != "d2h" or info is None else info[0]
-        lane = {"d2h": "D2H", "h2d": "H2D", "wait": "compute", "alloc": "host"}[kind]
+        step = step_at(r["start_ns"]) if kind not in ("d2h", "offload_wait") or info is None else info[0]
+        lane = {"d2h": "D2H", "h2d": "H2D", "wait": "compute", "offload_wait": "compute", "alloc": "host"}[kind]
         spans.append(Span(lane, kind, ms(r["start_ns"]), ms(r["end_ns"]), r["device"], step, layer, r["bytes"],
                           ms(r["queued_ns"]), r["id"], kind in ("h2d", "wait") and r["id"] in on_demand,
                           bool(r["same_stream"])))

@@ -458,7 +458,14 @@ void CopyEngine::release_sources_locked(size_t keep_bytes, std::vector<at::Tenso
       // allocated on another stream (a side-stream input) gets the producer recorded as a user.
       c10::OptionalDeviceGuard guard;
       if (cuda_) guard.reset_device(device_);
+      const bool rec = timeline::recording();  // the producer's wait for the copy: a stall if it is still running
+      const int64_t queued = rec ? timeline::now_ns() : 0;
+      EventPtr start = rec ? rt_->record(p.stream, /*timing=*/true) : nullptr;
       if (!broken(Break::kSourceWait)) rt_->wait(p.stream, p.done);
+      if (rec) {
+        note_timeline(TimelineKind::kWait, p.handle, 0, kTimelineSourceWait, queued, start,
+                      rt_->record(p.stream, /*timing=*/true));
+      }
       rt_->record_use(p.tensor, p.stream);
     }
     rt_->check_source_release(p.tensor, p.handle);

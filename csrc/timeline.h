@@ -20,12 +20,15 @@ const char* timeline_kind_name(TimelineKind k);
 
 // A reload wait whose copy was queued by the fetch itself (nothing prefetched it).
 constexpr uint32_t kTimelineOnDemand = 1;
+// Not a reload wait: the stream that produced a source waits for its offload copy before the source
+// goes back to the allocator (CopyEngine::release_sources).
+constexpr uint32_t kTimelineSourceWait = 2;
 
 struct TimelineRecord {
   TimelineKind kind = TimelineKind::kMark;
   uint64_t id = 0;     // the handle of a copy, wait or allocation; the caller's key for a mark
   uint64_t bytes = 0;  // copied, or allocated
-  uint32_t flags = 0;  // waits: kTimelineOnDemand; marks: the caller's phase
+  uint32_t flags = 0;  // waits: kTimelineOnDemand or kTimelineSourceWait; marks: the caller's phase
   int64_t queued_ns = 0;                // host clock: when the host queued the work
   int64_t start_ns = -1, end_ns = -1;   // host-stamped records; the others are resolved from the events
   EventPtr start, end;                  // timing events of `rt` (end is null for a mark)

@@ -127,9 +127,11 @@ def test_spans_are_well_formed(sim_runs, prefetch):
     _assert_disjoint(layers)
     assert sorted((s["kind"], s["step"], s["layer"]) for s in layers) == sorted(
         (k, st, i) for k in ("forward", "backward") for st in (0, 1) for i in range(6))
+    _assert_disjoint(_lane(out, "compute", {"wait", "offload_wait"}))
     waits = _lane(out, "compute", {"wait"})
-    _assert_disjoint(waits)
     assert len(waits) == 2 * out["layers"]
+    for w in _lane(out, "compute", {"offload_wait"}):  # named by the copy it waited for
+        assert w["layer"] is not None and w["bytes"] == 192 * 384 * 4, w
     backward = [s for s in layers if s["kind"] == "backward"]
     for w in waits:  # the compute stream waits for a reload inside the layer's backward that needs it
         assert any(b["start_ms"] <= w["start_ms"] and w["end_ms"] <= b["end_ms"] and b["layer"] == w["layer"]
@@ -166,6 +168,23 @@ def test_without_prefetch_every_reload_is_on_demand_and_exposed_waits_grow(sim_r
     assert wait_without > wait_with, (wait_without, wait_with)
     longest = without["summary"]["longest_wait"]
     assert longest["ms"] > 0 and 0 <= longest["layer"] < 6
+    s = without["summary"]
+    assert s["exposed_wait_ms_per_step"] == [a + b for a, b in zip(s["reload_wait_ms_per_step"],
+                                                                   s["offload_wait_ms_per_step"])]
+
+
+def test_example_writes_the_picture_and_the_trace(tmp_path):
+    pytest.importorskip("matplotlib", reason="Timeline.plot draws with matplotlib")
+    out = tmp_path / "sim"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "timeline_sim.py"), "--max-us", "2000",
+                        "--layers", "3", "--width", "64", "--batch", "16", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = json.loads(p.stdout)
+    assert summary["runtimes"] == {"cpu": "async-sim"} and summary["d2h"]["copies"] == 3
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "sim.json").read_text())["traceEvents"]
 
 
 # -- outputs ------------------------------------------------------------------------------------
@@ -196,6 +215,7 @@ def test_chrome_trace_is_valid_json_with_one_lane_per_stream(test_cpu, tmp_path)
     names = {e["name"] for e in by_lane["compute"]}
     assert {"layer 0 forward", "layer 2 backward"} <= names
     assert any(n.startswith("wait layer") for n in names)
+    assert all(e["cname"] == "terrible" for e in by_lane["compute"] if "wait" in e["name"])  # red
     assert doc["otherData"]["summary"]["d2h"]["copies"] == 3
 
 
