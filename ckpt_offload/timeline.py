@@ -374,7 +374,8 @@ class Timeline:
     # -- the picture ------------------------------------------------------------------------------
     def plot(self, path, title=None) -> None:
         """A PNG of the lanes over time (matplotlib): forward and backward of each layer on the compute lane
-        with its number, offloads and reloads on the D2H and H2D lanes, reload waits in red."""
+        with its number, offloads and reloads on the D2H and H2D lanes, waits in red. title replaces
+        "ckpt_offload timeline"; a simulated or host-only runtime is said after it either way."""
         try:
             import matplotlib
 
@@ -409,12 +410,11 @@ class Timeline:
         ax.set_xlabel("time since the timeline began (ms)")
         ax.grid(axis="x", alpha=0.3)
         runtimes = ", ".join(f"{d}: {r}" for d, r in sorted(self.runtimes.items()))
-        if title is None:
-            title = "ckpt_offload timeline"
-            if any(r == "async-sim" for r in self.runtimes.values()):
-                title += " (CPU, simulated copy streams: not GPU timings)"
-            elif any(r == "sync" for r in self.runtimes.values()):
-                title += " (host-only path: copies run on the compute thread)"
+        title = title or "ckpt_offload timeline"
+        if any(r == "async-sim" for r in self.runtimes.values()):  # said on every picture made this way
+            title += " (CPU, simulated copy streams: not GPU timings)"
+        elif any(r == "sync" for r in self.runtimes.values()):
+            title += " (host-only path: copies run on the compute thread)"
         summary = self.summary()
         ov = summary["overlap_fraction"]
         ms = lambda key: ", ".join(f"{w:.1f}" for w in summary[key])  # noqa: E731
