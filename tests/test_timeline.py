@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ckpt_offload
+from conftest import requires_cuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 timeline_module = sys.modules["ckpt_offload.timeline"]
@@ -296,3 +297,29 @@ def test_bad_arguments_and_nesting_are_refused(test_cpu):
             with ckpt_offload.timeline():
                 pass
     assert not ckpt_offload._C.timeline_recording()
+
+
+# -- on a GPU: CUDA events -------------------------------------------------------------------------
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_timeline_comes_from_cuda_events():
+    torch.manual_seed(0)
+    model = make_model(4, width=1024).cuda()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, prefetch=1)
+    x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    step(model, x)  # the pool pins its blocks
+    ckpt_offload.synchronize()
+    ckpt_offload.reset_stats()
+    with ckpt_offload.timeline() as tl:
+        step(model, x)
+    dev = f"cuda:{torch.cuda.current_device()}"
+    assert tl.runtimes == {dev: "cuda"} and tl.unfinished == 0 and tl.dropped == 0
+    s = ckpt_offload.stats()
+    d2h, h2d = tl.lane("D2H", dev), tl.lane("H2D", dev)
+    assert len(d2h) == s["tensors_offloaded"] == 4 and len(h2d) == s["tensors_prefetched"] == 4
+    for lane in (d2h, h2d, [sp for sp in tl.lane("compute", dev) if sp.kind in ("forward", "backward")]):
+        assert all(0 <= sp.start_ms <= sp.end_ms for sp in lane)
+        assert all(a.end_ms <= b.start_ms for a, b in zip(lane, lane[1:]))
+    assert not any(sp.same_stream for sp in d2h + h2d)
+    assert tl.summary()["overlap_fraction"] > 0
+    assert tl.lane("host", dev) == []  # the warm step pinned every block
