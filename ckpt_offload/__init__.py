@@ -14,6 +14,8 @@ from .session import OffloadSession  # noqa: E402
 from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
 from .reserve import reserve_for  # noqa: E402
 from .planner import MemoryPlan, plan_memory  # noqa: E402
+# The function shadows its module's name in the package (the module stays in sys.modules).
+from .timeline import Timeline, timeline  # noqa: E402
 
 HostPool = _C.HostPool
 HostBlock = _C.HostBlock
@@ -50,6 +52,8 @@ __all__ = [
     "profile",
     "synchronize",
     "poll",
+    "timeline",
+    "Timeline",
     "engine_for",
     "host_pool",
     "reserve_for",

@@ -12,6 +12,7 @@ import torch.utils.checkpoint as _tuc
 from ._args import check_bool as _check_bool
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
+from . import timeline as _timeline
 from .session import OffloadSession
 
 # Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
@@ -95,6 +96,12 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if not keep and not _container_warned:
         warn_container_tensors(args)
+    if _timeline.naming() and not torch.compiler.is_compiling():  # a layer's spans, for a timeline or profiler
+        return _timeline.run_layer(session, args, lambda: _run_hooked(session, function, args, kwargs, keep))
+    return _run_hooked(session, function, args, kwargs, keep)
+
+
+def _run_hooked(session, function, args, kwargs, keep):
     with session.hooks(keep=keep):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 

@@ -13,9 +13,11 @@ import weakref
 from bisect import bisect_left, bisect_right
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine as _engine
+from . import timeline as _timeline
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
@@ -336,13 +338,15 @@ class OffloadSession:
             if storage_elems * t.element_size() <= 4 * t.numel() * t.element_size():
                 src = t.detach().as_strided((storage_elems,), (1,), 0)
                 start, end = 0, storage_elems
-        eng = self._engine_for(t.device)
+        eng = sender = self._engine_for(t.device)
+        if _timeline.enabled or _autograd_profiler._is_profiler_enabled:  # named for a profiler or a timeline
+            sender = _timeline.NamedEngine(eng, self, packed.group)
         stream = packed.stream
         if stream is not None and stream != torch.cuda.current_stream(t.device):
             with torch.cuda.stream(stream):  # order the copy after the producer, not today's stream
-                handle = eng.offload(src)
+                handle = sender.offload(src)
         else:
-            handle = eng.offload(src)
+            handle = sender.offload(src)
         if handle is None:
             _engine.count("tensors_kept_on_device")
             _warn_refused(eng)
@@ -405,7 +409,10 @@ class OffloadSession:
         # needs it, and then it goes, retained graph or not. Without retain_graph the record dies
         # when its node is released, so the block returns to the pool a node later than at the
         # fetch, long after the pool's peak (the end of the forward), and nothing is copied twice.
-        t = rec.engine.fetch(rec.handle, True)  # first: the copy needed now goes first
+        eng = rec.engine
+        if _timeline.enabled or _autograd_profiler._is_profiler_enabled:
+            eng = _timeline.NamedEngine(eng, self, rec.group, rec.prefetched)
+        t = eng.fetch(rec.handle, True)  # first: the copy needed now goes first
         rec.prefetched = False
         rec.task = _graph_task_id() if _graph_task_id is not None else -1
         if rec.users > 1:
@@ -483,8 +490,9 @@ class OffloadSession:
                 if not r.prefetched:
                     r.prefetched = True
                     todo.append(r)
+        named = _timeline.enabled or _autograd_profiler._is_profiler_enabled
         for r in todo:
-            r.engine.prefetch(r.handle)
+            (_timeline.NamedEngine(r.engine, self, r.group) if named else r.engine).prefetch(r.handle)
 
     # -- context -------------------------------------------------------------------------------
     def begin(self):

@@ -7,6 +7,7 @@
 
 #include "copy_engine.h"
 #include "host_pool.h"
+#include "timeline.h"
 
 #ifndef CKPT_OFFLOAD_TORCH_VERSION
 #define CKPT_OFFLOAD_TORCH_VERSION "unknown"
@@ -153,6 +154,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_profiling", &CopyEngine::set_profiling, py::arg("on"));
   m.def("profiling", &CopyEngine::profiling);
 
+  // The timeline recorder (ckpt_offload.timeline() is its Python face).
+  m.def(
+      "timeline_start",
+      [](int64_t capacity) {
+        TORCH_CHECK_VALUE(capacity >= 1, "timeline_start: capacity must be >= 1, got ", capacity);
+        py::gil_scoped_release no_gil;
+        timeline::start(static_cast<size_t>(capacity));
+        try {
+          for (auto& e : CopyEngine::all_engines()) e->anchor_timeline();
+        } catch (...) {
+          uint64_t dropped = 0;
+          timeline::stop(dropped);
+          throw;
+        }
+      },
+      py::arg("capacity"),
+      "Starts recording copies, reload waits, pinned allocations and marks into a ring of `capacity` records");
+  m.def(
+      "timeline_stop",
+      [] {
+        uint64_t dropped = 0;
+        std::vector<TimelineEntry> entries;
+        {
+          py::gil_scoped_release no_gil;
+          entries = timeline::stop(dropped);
+        }
+        py::list out;
+        for (const auto& e : entries) {
+          py::dict d;
+          d["kind"] = e.kind;
+          d["device"] = e.device;
+          d["id"] = e.id;
+          d["bytes"] = e.bytes;
+          d["flags"] = e.flags;
+          d["queued_ns"] = e.queued_ns;
+          d["start_ns"] = e.start_ns;
+          d["end_ns"] = e.end_ns;
+          d["same_stream"] = e.same_stream;
+          out.append(d);
+        }
+        return py::make_tuple(out, dropped);
+      },
+      "Stops recording; returns (records oldest first, number of records the ring overwrote). Times are ns of "
+      "the host's steady clock, -1 where an event had not completed: wait for the streams first");
+  m.def("timeline_recording", &timeline::recording);
+  m.def("timeline_now_ns", &timeline::now_ns, "The clock timeline records are stamped in");
+  m.def("timeline_mark", &timeline::mark_host, py::arg("phase"), py::arg("key"),
+        "A mark stamped with the host clock, while recording");
+
   // Saved-tensor hooks switch off autograd's in-place check; the hooks restore it with this: the
   // tensor's version counter, held without holding the tensor's memory.
   py::class_<c10::VariableVersion>(m, "VersionCounter")
@@ -289,6 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return engine_stats_dict(s);
            })
       .def("reset_stats", &CopyEngine::reset_stats, release_gil())
+      .def("timeline_mark", &CopyEngine::timeline_mark, py::arg("phase"), py::arg("key"), release_gil(),
+           "While a timeline records: a mark at the present end of the caller's current stream")
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("pool", &CopyEngine::pool)
       .def_property_readonly("uses_cuda", &CopyEngine::uses_cuda)

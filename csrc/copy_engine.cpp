@@ -54,6 +54,21 @@ void check_offloadable(const at::Tensor& t, const c10::Device& engine_device) {
   TORCH_CHECK_VALUE(t.numel() == 0 || t.has_storage(), "offload: tensor has no storage (a tensor subclass?)");
 }
 
+// Timeline: the host allocations one acquire made (pinning inside a step stalls it; PITFALLS #7).
+void note_allocations(const PoolStats& before, const PoolStats& after, int64_t start_ns, uint64_t handle,
+                      const c10::Device& device) {
+  if (after.alloc_calls <= before.alloc_calls) return;
+  TimelineRecord r;
+  r.kind = TimelineKind::kAlloc;
+  r.id = handle;
+  r.bytes = after.allocated_bytes > before.allocated_bytes ? after.allocated_bytes - before.allocated_bytes : 0;
+  r.flags = static_cast<uint32_t>(after.alloc_calls - before.alloc_calls);
+  r.queued_ns = r.start_ns = start_ns;
+  r.end_ns = timeline::now_ns();
+  r.device = device;
+  timeline::add(std::move(r));
+}
+
 }  // namespace
 
 const char* state_name(HandleState s) {
@@ -127,6 +142,7 @@ CopyEngine::CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool)
     TORCH_WARN("CopyEngine(", device_, "): the pool is not pinned, so every copy to it is synchronous ",
                "and cannot overlap compute; use HostPool() (pinned when CUDA is usable)");
   }
+  if (timeline::recording()) rt_->anchor_clock();  // created while a timeline records (its start anchored the rest)
 }
 
 CopyEngine::~CopyEngine() {
@@ -214,7 +230,11 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   // The current stream, looked up now: it is the one that produced the tensor for this call.
   const c10::Stream compute = rt_->current_stream();
   rt_->check_usable(compute, "offload");
+  const bool rec = timeline::recording();  // the hot path's one check of the timeline
+  const int64_t queued = rec ? timeline::now_ns() : 0;
+  const PoolStats pool_before = rec ? pool_->stats() : PoolStats();
   std::shared_ptr<HostBlock> block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
+  if (rec) note_allocations(pool_before, pool_->stats(), queued, h->id_, device_);
   CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling: the copy's two events
   if (block) {
     const c10::Stream& d2h = rt_->d2h_stream();
@@ -224,11 +244,13 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     // the block's last-use gating; the pool hands busy blocks to writers that order themselves.
     if (block->pending() && !broken(Break::kLastUse)) rt_->wait(d2h, block->pending());
     // Profiling: an event after the waits marks when the copy itself starts on its stream.
-    const bool timed = g_profiling.load();
+    const bool profile = g_profiling.load();
+    const bool timed = profile || rec;
     EventPtr start = timed ? rt_->record(d2h, /*timing=*/true) : nullptr;
     rt_->copy(d2h, block->data(), src.data_ptr(), h->nbytes_, h->id_);
     EventPtr done = rt_->record(d2h, /*timing=*/timed);
-    if (start) copy_sample = CopySample{start, done, h->nbytes_, true};
+    if (profile) copy_sample = CopySample{start, done, h->nbytes_, true};
+    if (rec) note_timeline(TimelineKind::kD2H, h->id_, h->nbytes_, 0, queued, start, done, d2h == compute);
     h->d2h_done_ = done;
     block->set_last_use(done);
     h->state_ = event_done(done) ? HandleState::kOnHost : HandleState::kOffloading;
@@ -310,18 +332,22 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
   const c10::Stream compute = rt_->current_stream();
   rt_->check_usable(compute, "reload");
   h.dest_stream_ = compute;
+  const bool rec = timeline::recording();
+  const int64_t queued = rec ? timeline::now_ns() : 0;
   const c10::Stream& h2d = rt_->h2d_stream();
   // The copy waits for the allocation point (earlier users of that memory on the compute
   // stream) and for this tensor's own offload, which may still be running.
   rt_->wait(h2d, rt_->record(compute));
   if (!broken(Break::kReloadWait)) rt_->wait(h2d, h.d2h_done_);
-  const bool timed = g_profiling.load();
+  const bool profile = g_profiling.load();
+  const bool timed = profile || rec;
   EventPtr start = timed ? rt_->record(h2d, /*timing=*/true) : nullptr;
   rt_->copy(h2d, h.dest_.data_ptr(), h.block_->data(), h.nbytes_, h.id_);
   EventPtr done = rt_->record(h2d, /*timing=*/timed);
   h.h2d_done_ = done;
   h.block_->set_last_use(done);  // a later writer of the block orders itself after this read
-  if (start) {
+  if (rec) note_timeline(TimelineKind::kH2D, h.id_, h.nbytes_, 0, queued, start, done, h2d == compute);
+  if (profile) {
     copy_samples_.push_back({start, done, h.nbytes_, false});
     if (copy_samples_.size() > 4096) fold_samples_locked();
   }
@@ -359,19 +385,25 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h, bool keep_host) {
                 "fetch: the handle was already fetched; expected state offloading, on_host or prefetching");
     TORCH_CHECK(h->state_ != HandleState::kReleased,
                 "fetch: the handle was released; expected state offloading, on_host or prefetching");
-    if (h->state_ != HandleState::kPrefetching && h->nbytes_ > 0) st_.reloads_on_demand += 1;
+    const bool on_demand = h->state_ != HandleState::kPrefetching && h->nbytes_ > 0;
+    if (on_demand) st_.reloads_on_demand += 1;
     prefetch_locked(*h, std::move(fresh));
     if (h->h2d_done_) {
       c10::OptionalDeviceGuard guard;
       if (cuda_) guard.reset_device(device_);
       const c10::Stream current = rt_->current_stream();
       const bool profile = g_profiling.load();
-      EventPtr start = profile ? rt_->record(current, /*timing=*/true) : nullptr;
+      const bool rec = timeline::recording();
+      const int64_t queued = rec ? timeline::now_ns() : 0;
+      EventPtr start = profile || rec ? rt_->record(current, /*timing=*/true) : nullptr;
       if (!broken(Break::kFetchWait)) rt_->wait(current, h->h2d_done_);
+      EventPtr end = start ? rt_->record(current, /*timing=*/true) : nullptr;
       if (profile) {
-        wait_samples_.push_back({start, rt_->record(current, /*timing=*/true)});
+        wait_samples_.push_back({start, end});
         if (wait_samples_.size() > 4096) fold_samples_locked();  // stats() never called
       }
+      if (rec) note_timeline(TimelineKind::kWait, h->id_, h->nbytes_, on_demand ? kTimelineOnDemand : 0, queued,
+                             start, end);
       other_stream = current != h->dest_stream_;
       current_stream = current;
     }
@@ -448,7 +480,14 @@ void CopyEngine::release_sources_locked(size_t keep_bytes, std::vector<at::Tenso
       // allocated on another stream (a side-stream input) gets the producer recorded as a user.
       c10::OptionalDeviceGuard guard;
       if (cuda_) guard.reset_device(device_);
+      const bool rec = timeline::recording();  // the producer's wait for the copy: a stall if it is still running
+      const int64_t queued = rec ? timeline::now_ns() : 0;
+      EventPtr start = rec ? rt_->record(p.stream, /*timing=*/true) : nullptr;
       if (!broken(Break::kSourceWait)) rt_->wait(p.stream, p.done);
+      if (rec) {
+        note_timeline(TimelineKind::kWait, p.handle, 0, kTimelineSourceWait, queued, start,
+                      rt_->record(p.stream, /*timing=*/true));
+      }
       rt_->record_use(p.tensor, p.stream);
     }
     rt_->check_source_release(p.tensor, p.handle);
@@ -486,6 +525,31 @@ void CopyEngine::note_copy_locked(bool d2h, size_t bytes, double ms) {
     st_.h2d_bytes_timed += bytes;
     st_.h2d_copies_timed += 1;
   }
+}
+
+void CopyEngine::note_timeline(TimelineKind kind, uint64_t id, size_t bytes, uint32_t flags, int64_t queued_ns,
+                               EventPtr start, EventPtr end, bool same_stream) {
+  TimelineRecord r;
+  r.kind = kind;
+  r.id = id;
+  r.bytes = bytes;
+  r.flags = flags;
+  r.queued_ns = queued_ns;
+  r.start = std::move(start);
+  r.end = std::move(end);
+  r.owner = shared_from_this();
+  r.rt = rt_.get();
+  r.device = device_;
+  r.same_stream = same_stream;
+  timeline::add(std::move(r));
+}
+
+void CopyEngine::timeline_mark(uint32_t phase, uint64_t key) {
+  if (!timeline::recording()) return;
+  c10::OptionalDeviceGuard guard;
+  if (cuda_) guard.reset_device(device_);
+  const int64_t now = timeline::now_ns();
+  note_timeline(TimelineKind::kMark, key, 0, phase, now, rt_->record(rt_->current_stream(), /*timing=*/true), nullptr);
 }
 
 void CopyEngine::fold_samples_locked() {

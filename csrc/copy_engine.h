@@ -14,6 +14,7 @@
 
 #include "host_pool.h"
 #include "runtime.h"
+#include "timeline.h"
 
 namespace ckpt_offload {
 
@@ -135,6 +136,10 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   bool uses_cuda() const { return cuda_; }
   // "cuda", "sync" or "async-sim"
   const char* runtime_name() const { return rt_->name(); }
+  // Timeline: a point on the caller's current stream (a layer's start or end), recorded while a
+  // timeline records; ties this device's event times to the host clock (at each timeline start).
+  void timeline_mark(uint32_t phase, uint64_t key);
+  void anchor_timeline() { rt_->anchor_clock(); }
 
  private:
   CopyEngine(c10::Device device, std::shared_ptr<HostPool> pool);
@@ -181,6 +186,8 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   };
   std::vector<CopySample> copy_samples_;
   void note_copy_locked(bool d2h, size_t bytes, double ms);
+  void note_timeline(TimelineKind kind, uint64_t id, size_t bytes, uint32_t flags, int64_t queued_ns,
+                     EventPtr start, EventPtr end, bool same_stream = false);
   EngineStats st_;
 };
 

@@ -54,6 +54,11 @@ class SyncRuntime : public CopyRuntime {
     if (a == nullptr || b == nullptr) return 0.0;
     return std::chrono::duration<double, std::milli>(b->when - a->when).count();
   }
+  int64_t event_time_ns(const EventPtr& event) override {
+    auto* e = dynamic_cast<const HostEvent*>(event.get());
+    if (e == nullptr) return -1;
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(e->when.time_since_epoch()).count();
+  }
   void synchronize() override {}
 
  private:

@@ -54,6 +54,12 @@ class CopyRuntime {
   // Queues a copy of nbytes on one of the copy streams; `handle` names the copy's handle in errors.
   virtual void copy(const c10::Stream& stream, void* dst, const void* src, size_t nbytes, uint64_t handle) = 0;
   virtual double elapsed_ms(const EventPtr& start, const EventPtr& end) = 0;
+  // Timeline (timeline.h): when a completed timing event's point was reached, in nanoseconds of the
+  // host's steady clock; -1 when that cannot be told (not complete, not a timing event, no anchor).
+  virtual int64_t event_time_ns(const EventPtr& event) = 0;
+  // Ties the device's event times to the host clock from now on (CUDA: a reference event after a
+  // device synchronisation). The host and simulated runtimes stamp events with the host clock itself.
+  virtual void anchor_clock() {}
   // Waits for everything queued on both copy streams (host synchronisation).
   virtual void synchronize() = 0;
 

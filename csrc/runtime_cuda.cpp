@@ -7,6 +7,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
+#include <mutex>
+
 #include "runtime.h"
 
 namespace ckpt_offload {
@@ -88,6 +91,27 @@ class CudaRuntime : public CopyRuntime {
     return b->elapsed_ms_since(*a);
   }
 
+  // Device time is read relative to an anchor event recorded on an idle device, whose host time is
+  // known; re-anchored at each timeline start (float milliseconds lose precision over hours).
+  void anchor_clock() override {
+    c10::cuda::CUDAGuard guard(index_);
+    auto e = std::make_shared<CudaEvent>(/*timing=*/true);
+    CKPT_CUDA_CHECK(cudaDeviceSynchronize());
+    e->record(raw(current_stream()));
+    e->synchronize();
+    std::lock_guard<std::mutex> lock(anchor_mu_);
+    anchor_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now().time_since_epoch()).count();
+    anchor_ = std::move(e);
+  }
+
+  int64_t event_time_ns(const EventPtr& event) override {
+    auto* e = dynamic_cast<const CudaEvent*>(event.get());
+    std::lock_guard<std::mutex> lock(anchor_mu_);
+    if (e == nullptr || !anchor_ || !e->query()) return -1;
+    return anchor_ns_ + static_cast<int64_t>(static_cast<double>(e->elapsed_ms_since(*anchor_)) * 1e6);
+  }
+
   void synchronize() override {
     c10::cuda::CUDAGuard guard(index_);
     CKPT_CUDA_CHECK(cudaStreamSynchronize(raw(d2h_)));
@@ -120,6 +144,9 @@ class CudaRuntime : public CopyRuntime {
 
  private:
   const c10::DeviceIndex index_;
+  std::mutex anchor_mu_;
+  std::shared_ptr<CudaEvent> anchor_;  // timeline: the reference event, and its host time
+  int64_t anchor_ns_ = 0;
 };
 
 }  // namespace

@@ -233,6 +233,14 @@ class SimRuntime : public CopyRuntime {
     return std::chrono::duration<double, std::milli>(b->when - a->when).count();
   }
 
+  // Compute-stream events complete when recorded; copy-stream events when their worker reaches them:
+  // the simulated streams stamp the timeline themselves.
+  int64_t event_time_ns(const EventPtr& event) override {
+    auto* e = dynamic_cast<const SimEvent*>(event.get());
+    if (e == nullptr || !e->query()) return -1;
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(e->when.time_since_epoch()).count();
+  }
+
   void synchronize() override {
     EventPtr d = record(d2h_, false), h = record(h2d_, false);
     d->synchronize();
