@@ -41,6 +41,8 @@ def no_hf_routing():
     """hf.install() (implied by hf.checkpointing_args(offload=True)) patches transformers for the
     whole process: undone after every test, so that no test sees another's routing."""
     yield
-    hf = sys.modules.get("ckpt_offload.integrations.hf")
-    if hf is not None:
-        hf.uninstall()
+    # trl.install() and accelerate.install() patch their libraries for the whole process too.
+    for name in ("hf", "trl", "accelerate"):
+        integration = sys.modules.get(f"ckpt_offload.integrations.{name}")
+        if integration is not None:
+            integration.uninstall()
