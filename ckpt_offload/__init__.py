@@ -1,7 +1,8 @@
 """ckpt_offload: gradient checkpointing with activations offloaded asynchronously to pinned host memory.
 
 Three ways in: checkpoint() for one call, enable_checkpointing() for a model's repeated blocks,
-offload_activations() around any forward pass. integrations.hf plugs into transformers.
+offload_activations() around any forward pass. integrations.hf, .trl and .accelerate plug into
+transformers, TRL (activation_offloading=True) and accelerate (FSDP2 activation_checkpointing_offload=True).
 """
 from ._loader import load as _load
 
