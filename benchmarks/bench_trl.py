@@ -146,7 +146,8 @@ def main(argv=None):
             print(f"{gc:>13} {r['mode']:>13}  not run: {r['error'][:90]}")
             continue
         ref = next(x for x in rows if x["mode"] == "none" and x["checkpointing"] == r["checkpointing"])
-        same = "yes" if r["losses"] == ref["losses"] else f"max diff {max(abs(x - y) for x, y in zip(r['losses'], ref['losses'])):.2e}"
+        diff = max(abs(x - y) for x, y in zip(r["losses"], ref["losses"]))
+        same = "yes" if r["losses"] == ref["losses"] else f"max diff {diff:.2e}"
         print(f"{gc:>13} {r['mode']:>13} {r['step_ms_median']:9.1f} {fmt_bytes(r['peak_device_bytes']):>12} "
               f"{fmt_bytes(r['engine_bytes_offloaded_per_step']):>12} {same:>11}")
     os.makedirs(a.out, exist_ok=True)

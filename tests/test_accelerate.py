@@ -40,6 +40,10 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _full(grad):
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()  # a DTensor shard: all of it
+
+
 def _train(ours, rank):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
@@ -72,8 +76,7 @@ def _train(ours, rank):
         accelerator.backward(loss)
         s = ckpt_offload.stats()
         # Names without the wrappers' "_checkpoint_wrapped_module." parts: the same parameter either way.
-        grads = {n.replace("_checkpoint_wrapped_module.", ""): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                 for n, p in model.named_parameters()}
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): _full(p.grad) for n, p in model.named_parameters()}
         record["steps"].append({
             "loss": loss.item(), "grads": grads, "offloaded_after_forward": after_forward["bytes_offloaded"],
             "host_in_use_after_forward": after_forward["host_in_use_bytes"],

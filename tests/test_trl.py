@@ -249,3 +249,41 @@ def test_knobs_that_do_not_map(base_model):
     assert ctx.session.keep_last == 1 and ctx.session.prefetch == 3
     with pytest.raises(ValueError, match=r"trl.install: prefetch must be an int >= 0, got -1"):
         ctrl.install(prefetch=-1)
+
+
+def _reward_run(tmp_path, tokenizer, base_model, offload):
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(base_model.config.__class__(
+        **{**base_model.config.to_dict(), "num_labels": 1}))
+    model.model.load_state_dict(base_model.model.state_dict())
+    data = datasets.Dataset.from_dict({"chosen": [_TEXT[: 20 + 7 * i] for i in range(8)],
+                                       "rejected": [_TEXT[::-1][: 15 + 5 * i] for i in range(8)]})
+    args = trl.RewardConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, report_to=[],
+                            save_strategy="no", use_cpu=True, activation_offloading=offload, disable_tqdm=True,
+                            seed=0, max_length=64, **{_GC: False})
+    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    losses = []
+    own_step = trainer.training_step
+
+    def step(model, inputs, *a, **k):
+        loss = own_step(model, inputs, *a, **k)
+        losses.append((loss.item(), ckpt_offload.stats()))
+        return loss
+
+    trainer.training_step = step
+    ckpt_offload.reset_stats()
+    trainer.train()
+    return trainer, losses
+
+
+def test_reward_trainer_offloads_through_the_engine(tmp_path, tokenizer, base_model):
+    """Another of the trainers that share the flag: a sequence-classification model (its `score` head is
+    none of the names TRL looks for, so TRL and ckpt_offload both warn and offload it too)."""
+    _, ref = _reward_run(tmp_path, tokenizer, base_model, offload=False)
+    ctrl.install()
+    with pytest.warns(UserWarning, match="no output head found"):
+        trainer, steps = _reward_run(tmp_path, tokenizer, base_model, offload=True)
+    assert isinstance(trainer.maybe_activation_offload_context, ckpt_offload.offload_activations)
+    assert [s[0] for s in steps] == [s[0] for s in ref]
+    assert all(s["host_in_use_bytes"] == 0 for _, s in steps)
+    assert steps[0][1]["tensors_offloaded"] > 0
