@@ -20,7 +20,7 @@ from .._args import check_bool as _check_bool
 from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from ..activations import offload_activations
-from ..model import find_repeated_blocks
+from .. import find_repeated_blocks
 
 _NAME = "get_act_offloading_ctx_manager"
 _installed = []  # [(TRL's function, ours)] while installed
