@@ -27,10 +27,15 @@ __version__ = "0.1.0"
 
 
 def build_info():
-    """How the compiled core was built: torch_version, cuda_version (None host-only), with_cuda;
-    plus cuda_usable: whether a driver and a device are there now, and test_path: the runtime a CPU
-    engine created now gets ("off", "sync" with CKPT_OFFLOAD_TEST_CPU=1, "async-sim" with
-    CKPT_OFFLOAD_TEST_ASYNC=1 too). Engines read the switches when they are created."""
+    """How the compiled core was built, and what it finds now.
+
+    Returns:
+        dict: `torch_version` (str, the torch it was built against), `cuda_version` (str, or None
+            for a host-only build), `with_cuda` (bool, the CUDA variant was built), `cuda_usable`
+            (bool, a driver and a device are there now) and `test_path` (str, the runtime a CPU
+            engine created now gets: `"off"`, `"sync"` with `CKPT_OFFLOAD_TEST_CPU=1`, `"async-sim"`
+            with `CKPT_OFFLOAD_TEST_ASYNC=1` too; engines read the switches when they are created).
+    """
     info = dict(_C.build_info())
     info["cuda_usable"] = _C.cuda_usable()
     info["test_path"] = _C.test_path()

@@ -2,6 +2,12 @@
 
 
 def check_int(where, name, value, minimum):
+    """An int (not a bool) of at least `minimum`.
+
+    Raises:
+        TypeError: `value` is not an int, or is a bool.
+        ValueError: `value` is below `minimum`.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{where}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
@@ -9,13 +15,23 @@ def check_int(where, name, value, minimum):
 
 
 def check_bool(where, name, value):
+    """True or False, nothing that merely converts to one.
+
+    Raises:
+        TypeError: `value` is not a bool.
+    """
     # A string or a number is not a switch: "no" and 0.0 would otherwise turn into True and False.
     if not isinstance(value, bool):
         raise TypeError(f"{where}: {name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def check_not_reentrant(where, value):
-    """use_reentrant=None or False is what ckpt_offload runs; True is refused with the reason."""
+    """use_reentrant=None or False is what ckpt_offload runs; True is refused with the reason.
+
+    Raises:
+        ValueError: `value` is True.
+        TypeError: `value` is neither None nor a bool.
+    """
     if value is None or value is False:
         return
     if value is True:
@@ -28,7 +44,12 @@ def check_not_reentrant(where, value):
 
 def check_prefetch(where, prefetch, prefetch_bytes, keep_last=None):
     """The offload settings every entry point takes: prefetch >= 0, prefetch_bytes None or >= 1, and
-    keep_last >= 0 where the entry point has one."""
+    keep_last >= 0 where the entry point has one (None: it has none).
+
+    Raises:
+        TypeError: a setting is not an int.
+        ValueError: a setting is below its minimum.
+    """
     if keep_last is not None:
         check_int(where, "keep_last", keep_last, 0)
     check_int(where, "prefetch", prefetch, 0)

@@ -20,7 +20,19 @@ def count(name: str, n: int = 1) -> None:
 
 
 def engine_for(device) -> "_C.CopyEngine":
-    """The process-wide copy engine of a device (its own D2H and H2D streams), shared pool."""
+    """The process-wide copy engine of a device, created on first use.
+
+    Each engine has its own device-to-host and host-to-device streams; every engine draws from the
+    one host pool (`host_pool()`). The entry points (`checkpoint`, `enable_checkpointing`,
+    `offload_activations`) use these engines; call this to inspect one or to drive it directly.
+
+    Args:
+        device: a `torch.device` or a string such as `"cuda:0"`. `"cuda"` without an index means
+            the current CUDA device.
+
+    Returns:
+        CopyEngine: the engine of that device (the same object on every call).
+    """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -28,7 +40,16 @@ def engine_for(device) -> "_C.CopyEngine":
 
 
 def host_pool() -> "_C.HostPool":
-    """The process-wide host pool every engine draws from."""
+    """The process-wide pinned host pool every engine draws from.
+
+    Use it to cap host memory (`host_pool().set_capacity(nbytes)`, 0 removes the cap), to pin
+    memory before training (`host_pool().reserve([sizes of one step])`, or
+    `ckpt_offload.reserve_for`), to give its free blocks back (`empty_cache()`), or to read its
+    figures (`stats()`; `ckpt_offload.stats()` reports them as `host_*`).
+
+    Returns:
+        HostPool: the pool (the same object on every call).
+    """
     return _C.global_pool()
 
 
@@ -60,7 +81,19 @@ _POOL_KEYS = ("pinned", "reserved_bytes", "in_use_bytes", "alloc_calls", "alloca
 
 
 def stats() -> dict:
-    """Counters of every engine summed, the host pool's figures (host_*), and the Python layer's."""
+    """The counters of every engine summed, the host pool's figures and the Python layer's.
+
+    Cumulative since the last `reset_stats()`. Every key is explained in the docs' "Reading
+    stats()" page, with what to do when one looks wrong.
+
+    Returns:
+        dict: `tensors_offloaded`, `bytes_offloaded`, `tensors_prefetched`, `bytes_prefetched`,
+            `tensors_fetched`, `reloads_on_demand`, `tensors_released`, ... (engine counters, ints);
+            the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
+            `host_alloc_calls`, ...); `tensors_kept_on_device`, `shared_views`, `midpoint_misses`;
+            `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
+            `h2d_gb_per_s` (float, or None when nothing was timed).
+    """
     out = {k: 0 for k in _ENGINE_KEYS}
     for eng in _C.all_engines():
         for k, v in eng.stats().items():
@@ -82,7 +115,12 @@ def _rate(nbytes, ms):
 
 
 def reset_stats() -> None:
-    """Zeroes every counter; the pool's peak restarts from the bytes in use now."""
+    """Zeroes every counter of `stats()`.
+
+    The pool's peak (`host_peak_bytes`) restarts from the bytes in use now; figures that describe
+    the present (`host_in_use_bytes`, `host_reserved_bytes`, `pending_sources`) are not counters
+    and keep their values.
+    """
     for eng in _C.all_engines():
         eng.reset_stats()
     _C.global_pool().reset_stats()
@@ -92,20 +130,39 @@ def reset_stats() -> None:
 
 
 def profile(on: bool = True) -> None:
-    """Measures, with CUDA events, how long the compute stream waits for each reload
-    (stats()['reload_wait_ms']) and how long each copy takes on its copy stream
-    (d2h_copy_ms / h2d_copy_ms for d2h_bytes_timed / h2d_bytes_timed; on the host-only path, the
-    synchronous copies' wall time). Off by default: it adds events to every copy and reload."""
+    """Turns the timing of copies and reload waits on or off, for every engine.
+
+    While on, CUDA events measure how long the compute stream waits for each reload
+    (`stats()["reload_wait_ms"]`, `reload_waits_measured`) and how long each copy takes on its copy
+    stream (`d2h_copy_ms` / `h2d_copy_ms` for `d2h_bytes_timed` / `h2d_bytes_timed`, and the rates
+    `d2h_gb_per_s` / `h2d_gb_per_s`). On the host-only path it times the synchronous copies' wall
+    time. Off by default: it adds events to every copy and reload.
+
+    Args:
+        on: True to measure, False to stop.
+
+    Raises:
+        TypeError: `on` is not a bool.
+    """
     check_bool("profile", "on", on)
     _C.set_profiling(on)
 
 
 def synchronize() -> None:
-    """Waits for every queued copy and drops the sources whose copies finished."""
+    """Waits on the host for every queued copy of every engine, then drops the sources whose
+    copies finished.
+
+    Training never needs it (the engine orders everything with events); use it before reading
+    figures that depend on copies being done, or in tests.
+    """
     for eng in _C.all_engines():
         eng.synchronize()
 
 
 def poll() -> int:
-    """Drops sources whose device-to-host copies finished, without waiting; returns how many remain."""
+    """Drops the sources whose device-to-host copies have finished, without waiting.
+
+    Returns:
+        int: how many sources are still held (`stats()["pending_sources"]`).
+    """
     return sum(eng.poll() for eng in _C.all_engines())

@@ -64,6 +64,7 @@ class Midpoints:
         return _graph_task_id is not None and all(len(list(b.children())) >= 2 for b in blocks)
 
     def remove(self):
+        """Removes every hook this object installed (when the session detaches from the model)."""
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -126,6 +127,7 @@ class Midpoints:
                 handle.remove()
 
     def _fire(self, grad_outputs):
+        # Autograd reached the midpoint's node: start the reloads this layer's backward deferred.
         self.session.flush_prefetch()
 
 

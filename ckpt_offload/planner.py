@@ -468,7 +468,23 @@ def _score(result, budget):
 
 
 class MemoryPlan:
-    """One mode per repeated block (forward order) and what the cost model predicts for it."""
+    """One mode per repeated block, in forward order, and what the cost model predicts for it.
+
+    Made by `plan_memory` (or `MemoryPlan.from_json`); apply it with `plan.apply(model)`.
+
+    Attributes:
+        modes (list[str]): one of `BLOCK_MODES` per repeated block: `"none"`, `"offload"`,
+            `"checkpoint"`, `"checkpoint+offload"` or `"checkpoint+offload+attention"`.
+        predicted_peak_bytes (int): the predicted peak device memory of a training step.
+        predicted_step_ms (float): the predicted time of a step (forward and backward).
+        predicted_host_bytes (int): the bytes a step sends to the host.
+        budget_bytes (int | None): the budget the plan was chosen for.
+        smallest_peak_bytes (int | None): the smallest predicted peak of any assignment searched:
+            the smallest budget `replan` can meet.
+        rows (list[dict]): per block, `mode`, `device_bytes`, `host_bytes` and `ms`, as `table()`
+            prints them.
+        cost_model (CostModel | None): the measurements; None for a plan read with `from_json`.
+    """
 
     def __init__(self, modes, predicted_peak_bytes, predicted_step_ms, predicted_host_bytes, budget_bytes=None,
                  rows=None, cost_model=None, smallest_peak_bytes=None):
@@ -483,18 +499,46 @@ class MemoryPlan:
         self._modes_allowed = None  # the modes the search chose from (None: all that were measured)
 
     def replan(self, budget_bytes: int, host_budget_bytes=None) -> "MemoryPlan":
-        """The plan for another budget from the same measurements (no profiling)."""
+        """The plan for another budget, from the same measurements (no profiling).
+
+        Args:
+            budget_bytes: the peak device bytes a step may reach.
+            host_budget_bytes: the most bytes a step may send to the host (None: no cap).
+
+        Returns:
+            MemoryPlan: the fastest assignment predicted to fit, among the modes this plan chose from.
+
+        Raises:
+            ValueError: the plan was read from JSON (it holds no measurements), a budget is not
+                positive, or nothing fits (the message names the smallest feasible budget).
+            TypeError: a budget is not an int.
+        """
         if self.cost_model is None:
             raise ValueError("MemoryPlan.replan: this plan was read from JSON and holds no measurements; call plan_memory")
         _check_budget("MemoryPlan.replan", budget_bytes, host_budget_bytes)
         return plan_from_cost(self.cost_model, budget_bytes, host_budget_bytes, self._modes_allowed)
 
     def apply(self, model: nn.Module) -> list[str]:
-        """Configures model with this plan's modes (ckpt_offload.disable_checkpointing undoes it)."""
+        """Configures `model` with this plan's modes, through `ckpt_offload.enable_block_modes`.
+
+        `ckpt_offload.disable_checkpointing(model)` undoes it.
+
+        Args:
+            model: the model that was profiled (or one with the same repeated blocks).
+
+        Returns:
+            list[str]: the modes applied, one per repeated block.
+        """
         return enable_block_modes(model, self.modes)
 
     def table(self) -> str:
-        """Per block: the mode, device bytes it holds between forward and backward, host bytes, and time."""
+        """The plan as a table, one row per block, and a line of totals.
+
+        Returns:
+            str: per block the mode, the device MiB it keeps from its forward to its backward, the
+                host MiB it sends and its forward + backward ms; then the predicted peak, budget,
+                step time and host bytes.
+        """
         lines = [f"{'block':>5}  {'mode':<18} {'device MiB':>10} {'host MiB':>9} {'ms':>8}"]
         for i, r in enumerate(self.rows):
             lines.append(f"{i:>5}  {r['mode']:<18} {r['device_bytes'] / 2**20:>10.2f} {r['host_bytes'] / 2**20:>9.2f} "
@@ -505,13 +549,29 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        """The modes, predictions and table as JSON (the measurements stay behind)."""
+        """The plan as JSON, to reuse on the next run without profiling (`MemoryPlan.from_json`).
+
+        Returns:
+            str: the modes, the predictions and the table's rows; the measurements stay behind, so
+                a plan read back cannot `replan`.
+        """
         return json.dumps(dict(modes=self.modes, predicted_peak_bytes=self.predicted_peak_bytes,
                                predicted_step_ms=self.predicted_step_ms, predicted_host_bytes=self.predicted_host_bytes,
                                budget_bytes=self.budget_bytes, rows=self.rows, smallest_peak_bytes=self.smallest_peak_bytes))
 
     @classmethod
     def from_json(cls, text: str) -> "MemoryPlan":
+        """A plan written by `to_json`.
+
+        Args:
+            text: the JSON text.
+
+        Returns:
+            MemoryPlan: the plan, without measurements (`cost_model` is None).
+
+        Raises:
+            ValueError: a mode is not one of `BLOCK_MODES`.
+        """
         d = json.loads(text)
         for i, m in enumerate(d.get("modes", ())):
             if m not in BLOCK_MODES:
@@ -526,18 +586,40 @@ class MemoryPlan:
 
 def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=None, host_budget_bytes=None,
                 modes=None, verbose: bool = False) -> MemoryPlan:
-    """The fastest per-block assignment of modes whose predicted step peak fits budget_bytes.
+    """Profiles `model`'s repeated blocks on one batch and chooses a mode for each block: the
+    assignment with the lowest predicted step time whose predicted peak fits `budget_bytes`.
 
-    example_inputs: the model's positional arguments (a tuple). loss_fn(output): the scalar to
-    backpropagate (default: output.loss when there is one, else the mean of the squared output).
-    The budget is the peak device memory of a training step including weights, gradients (kept
-    allocated) and inputs: max_memory_allocated on a GPU, ckpt_offload.testing.LiveBytes on the CPU
-    test path. modes: the modes to choose from (default: all of BLOCK_MODES, the attention one where
-    this torch has selective offload; on a CPU without CKPT_OFFLOAD_TEST_CPU=1, those without
-    offload, as CPU tensors are not offloaded there).
-    verbose: one line per profiled mode and the choice, on stderr.
-    Profiling runs a few forward/backward steps on the batch; .grad is left allocated and zeroed.
-    Raises ValueError naming the smallest feasible budget when nothing fits.
+    The modes: `"none"`, `"offload"` (no recompute; everything the block saves waits on the host),
+    `"checkpoint"`, `"checkpoint+offload"` (recomputed; its input waits on the host) and
+    `"checkpoint+offload+attention"` (the same with `policy="attention"`). Profiling runs nine
+    steps or fewer on the batch, in training mode (each module's mode is restored after), leaves
+    every `.grad` allocated and zeroed, and restores the RNG state. The docs' "Planning for a memory budget" page explains the cost model and where it can
+    be wrong.
+
+    Args:
+        model: the model; its repeated blocks are those of `find_repeated_blocks(model)`.
+        example_inputs: the model's positional arguments (a tuple), a batch of the shape you train
+            with.
+        budget_bytes: the peak device memory of a training step, including weights, gradients
+            (kept allocated) and inputs: `max_memory_allocated` on a GPU,
+            `ckpt_offload.testing.LiveBytes` on the CPU test path.
+        loss_fn: `output -> scalar` to backpropagate (default: `output.loss` when there is one,
+            else the mean of the squared output).
+        host_budget_bytes: the most bytes a step may send to the host (None: no cap).
+        modes: the modes to choose from (default: all of `BLOCK_MODES`, the attention one where
+            this torch has selective offload; on a CPU without `CKPT_OFFLOAD_TEST_CPU=1`, those
+            without offload, as CPU tensors are not offloaded there).
+        verbose: print one line per profiled mode, and the choice, on stderr.
+
+    Returns:
+        MemoryPlan: the chosen modes and their predictions; `replan(budget)` chooses again for
+            another budget without profiling.
+
+    Raises:
+        TypeError: `model` is not a module, `example_inputs` is not a tuple, a budget is not an
+            int, `loss_fn` is not callable or `verbose` not a bool.
+        ValueError: a budget is not positive, `modes` is empty or names an unknown mode, or nothing
+            fits (the message names the smallest feasible budget).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_memory: model must be a torch.nn.Module, got {type(model).__name__}")

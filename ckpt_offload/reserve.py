@@ -11,24 +11,41 @@ from .training import training_mode
 
 
 def reserve_for(model: torch.nn.Module, example_inputs, loss_fn=None, context=None) -> dict:
-    """Runs one training step (forward and backward) of `model` on `example_inputs`, as configured
-    now (enable_checkpointing, integrations.hf.enable), so that the host pool pins the blocks that
-    step offloads into. context: a callable returning the context manager the training loop runs
-    its forward in, e.g. `lambda: ckpt_offload.offload_activations(min_bytes=1 << 20)`. The pool keeps every block until
-    `host_pool().empty_cache()` (see the pool rule in the README), and serves any batch whose
-    offloaded tensors are each no larger than this one's from them: pass the longest batch.
+    """Pins the host memory of one training step before training, so that no step, the first
+    included, pins memory inside its forward.
 
-    example_inputs: a tuple or list (positional arguments), a dict (keywords) or one tensor.
-    loss_fn: output -> scalar loss, the training loop's own (under `context` what the loss saves is
-    offloaded too). By default the output itself when it is a tensor (summed if it is not a scalar),
-    else its `.loss` (transformers models given labels).
+    Runs one forward and backward of `model` on `example_inputs`, as the model is configured now
+    (`enable_checkpointing`, `integrations.hf.enable`, ...), so that the host pool allocates the
+    blocks that step offloads into. The pool keeps every block until `host_pool().empty_cache()`
+    and serves any later step whose offloaded tensors are each no larger than this one's from them
+    (the pool's rule is in the docs' "Varying shapes and pinning" page): pass the longest batch.
 
     The step runs in training mode (transformers' layers checkpoint only then; a model fresh from
-    from_pretrained is in eval mode) and leaves no trace on the model: gradients, buffers (BatchNorm
-    statistics), each module's training mode and the random number generators are as before. Returns the pool's figures: `requests` and `request_bytes`
-    (the blocks the step held at the end of its forward and the bytes requested in them),
-    `block_bytes` (their capacity), `alloc_calls` (host allocations the step made) and
-    `reserved_bytes` (the pool's size afterwards).
+    `from_pretrained` is in eval mode) and leaves no trace on the model: gradients, buffers
+    (BatchNorm statistics), each module's training mode and the random number generators are as
+    before.
+
+    Args:
+        model: the model, configured for offload.
+        example_inputs: the longest batch: a tuple or list (positional arguments), a dict
+            (keywords) or one tensor.
+        loss_fn: `output -> scalar loss`, the training loop's own (under `context`, what the loss
+            saves is offloaded too). By default the output itself when it is a tensor (summed if
+            it is not a scalar), else its `.loss` (transformers models given labels).
+        context: a callable returning the context manager the training loop runs its forward in,
+            e.g. `lambda: ckpt_offload.offload_activations(min_bytes=1 << 20)`.
+
+    Returns:
+        dict: the pool's figures: `requests` and `request_bytes` (the blocks the step held at the
+            end of its forward, and the bytes requested in them), `block_bytes` (their capacity),
+            `alloc_calls` (host allocations the step made) and `reserved_bytes` (the pool's size
+            afterwards).
+
+    Raises:
+        TypeError: `model` is not a module, `loss_fn` or `context` is not callable,
+            `example_inputs` is of another type, or the loss is not a scalar tensor (or cannot be
+            told without `loss_fn`).
+        RuntimeError: gradients are disabled (`torch.no_grad`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"reserve_for: model must be a torch.nn.Module, got {type(model).__name__}")
