@@ -49,8 +49,8 @@ def public_names(module):
     """A module's __all__, else the functions and classes it defines without a leading underscore."""
     if hasattr(module, "__all__"):
         return list(module.__all__)
-    return [n for n, o in vars(module).items() if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o))
-            and o.__module__ == module.__name__]
+    return [n for n, o in vars(module).items()
+            if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == module.__name__]
 
 
 def integration_modules():

@@ -76,7 +76,8 @@ def test_fence_parser_sees_output_blocks():
     text = "```python\nprint(1)\n```\n\n```text title=\"Output\"\n1\n```\n```python\n# illustrative\nboom\n```\n"
     assert fences(text) == [("python", "print(1)\n"), (OUTPUT_INFO, "1\n"), ("python", "# illustrative\nboom\n")]
     # Times are masked only where the block says they vary, and nothing else is.
-    shown, printed = "0  none  0.63  1.27\nstep 22.66 ms, host 1.25 MiB", "0  none  0.63  9.18\nstep 3.10 ms, host 1.25 MiB"
+    shown = "0  none  0.63  1.27\nstep 22.66 ms, host 1.25 MiB"
+    printed = "0  none  0.63  9.18\nstep 3.10 ms, host 1.25 MiB"
     assert comparable(shown, TIMED_OUTPUT_INFO) == comparable(printed, TIMED_OUTPUT_INFO)
     assert comparable(shown, OUTPUT_INFO) != comparable(printed, OUTPUT_INFO)
     assert comparable(shown, TIMED_OUTPUT_INFO) != comparable(shown.replace("0.63", "0.64"), TIMED_OUTPUT_INFO)
