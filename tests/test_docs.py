@@ -111,3 +111,26 @@ def comparable(text, info):
     if info == TIMED_OUTPUT_INFO:
         lines = [re.sub(r"\s*\d+\.\d+(?= ms|$)", " <time>", line) for line in lines]
     return lines
+
+
+def _slug(heading):
+    # GitHub's and MkDocs' anchor of a heading: lower case, punctuation dropped, spaces as hyphens.
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_resolve():
+    # mkdocs --strict checks the links inside docs/; the README's, which GitHub renders, are checked here.
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = os.path.join(ROOT, path)
+        assert os.path.isfile(target), f"README.md links to {link}: no such file"
+        if anchor:
+            with open(target) as f:
+                anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", f.read(), flags=re.M)}
+            assert anchor in anchors, f"README.md links to {link}: no heading with that anchor"
