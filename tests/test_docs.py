@@ -19,6 +19,7 @@ OUTPUT_INFO = 'text title="Output"'
 TIMED_OUTPUT_INFO = 'text title="Output (times vary)"'
 OUTPUTS = (OUTPUT_INFO, TIMED_OUTPUT_INFO)
 ILLUSTRATIVE = "# illustrative"
+OPTIONAL = ("transformers", "accelerate", "peft", "trl")  # a page that imports one is skipped without it
 
 
 def pages():
@@ -86,8 +87,9 @@ def test_fence_parser_sees_output_blocks():
 @pytest.mark.parametrize("page", [p for p in pages() if examples(p)])
 def test_page_examples_run(page, tmp_path, monkeypatch):
     runs = examples(page)
-    if any("transformers" in code for code, _ in runs):
-        pytest.importorskip("transformers", reason="transformers is an optional dependency")
+    for name in OPTIONAL:
+        if any(re.search(rf"^\s*(import|from) {name}\b", code, flags=re.M) for code, _ in runs):
+            pytest.importorskip(name, reason=f"{name} is an optional dependency")
     # The CPU test path: CPU tensors go through the pool and the engine, so that what the examples
     # print (bytes offloaded, layers offloaded) is what a GPU prints.
     monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
