@@ -27,7 +27,9 @@ def directives():
 
 
 def resolve(path):
-    """The object a dotted path names: the longest importable module prefix, then attributes."""
+    """The object a dotted path names as mkdocstrings renders it: the longest importable module prefix,
+    then attributes. A submodule wins over a package attribute of the same name (`ckpt_offload.timeline`
+    is the module; its function is `ckpt_offload.timeline.timeline`)."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
         try:
