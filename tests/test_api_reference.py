@@ -52,7 +52,8 @@ def public_names(module):
     if hasattr(module, "__all__"):
         return list(module.__all__)
     return [n for n, o in vars(module).items()
-            if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == module.__name__]
+            if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o))
+            and o.__module__ == module.__name__]
 
 
 def integration_modules():
