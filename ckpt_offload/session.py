@@ -533,10 +533,20 @@ class OffloadSession:
         before each forward of the model: it also starts a new forward (see new_forward)."""
         self.new_forward()
         refs = {}
-        for t in (*model.parameters(), *model.buffers()):
-            ref = _storage_ref(t)
-            if ref is not None:
-                refs[ref.cdata] = ref
+        # model.parameters() and model.buffers() in one walk over the modules (model.modules()
+        # re-yields each module through every generator above it: thousands of calls a step).
+        todo, seen = [model], set()
+        while todo:
+            m = todo.pop()
+            if m is None or id(m) in seen:
+                continue
+            seen.add(id(m))
+            for tensors in (m._parameters, m._buffers):
+                for t in tensors.values():
+                    ref = _storage_ref(t)
+                    if ref is not None:
+                        refs[ref.cdata] = ref
+            todo.extend(m._modules.values())
         self._module_ptrs = refs
 
     def _note_module(self, module):

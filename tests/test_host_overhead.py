@@ -99,11 +99,10 @@ def test_only_the_midpoint_child_keeps_a_hook_once_learned():
 
 
 def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
-    # The walk before each forward runs in _C; it must find what model.parameters() and
-    # model.buffers() hold: shared modules once, None and freed buffers skipped, a tensor subclass
-    # with a local tensor (a DTensor) by that local tensor.
-    from ckpt_offload.engine import _C
-    from ckpt_offload.session import _storage_ptr
+    # The walk before each forward (one pass over the modules) must find what model.parameters()
+    # and model.buffers() hold: shared modules once, None buffers skipped, freed storages by their
+    # identity, a tensor subclass with a local tensor (a DTensor) by that local tensor.
+    from ckpt_offload.session import _storage_ref
 
     class Local(torch.Tensor):
         pass
@@ -120,11 +119,9 @@ def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
     sub = local.as_subclass(Local)
     sub._local_tensor = local
     model.a.register_buffer("sharded", sub)
-    expected = {p for p in map(_storage_ptr, (*model.parameters(), *model.buffers())) if p}
-    assert local.untyped_storage().data_ptr() in expected and len(expected) == 3 * 6 + 2 + 5 + 1
-    assert _C.module_storage_ptrs(model) == expected
-    # What a session excludes before a forward is that set.
+    expected = {r.cdata for r in map(_storage_ref, (*model.parameters(), *model.buffers())) if r is not None}
+    assert local.untyped_storage()._cdata in expected and len(expected) == 3 * 6 + 2 + 5 + 2
     session = ckpt_offload.OffloadSession()
     session.exclude_module_tensors(model)
-    assert session._module_ptrs == expected
+    assert set(session._module_ptrs) == expected
     assert not session._is_candidate(model.norm.running_mean)  # a buffer passed on as an input
