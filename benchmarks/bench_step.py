@@ -76,6 +76,8 @@ def build_parser():
     p.add_argument("--wide", action="store_true",
                    help="print every column (spread, H2D bytes, host pool, reload wait, copy throughput); the "
                    "default table keeps to about 120 characters; the JSON always holds every figure")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false",
+                   help="skip the timeline of one step per offload mode (timeline_<mode>_<seq>.json/.png in --out)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="directory for the JSON and the plots (default: benchmarks/out)")
     add_length_args(p)

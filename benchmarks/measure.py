@@ -11,6 +11,7 @@ import ckpt_offload
 from ckpt_offload.testing import LiveBytes
 
 from .modes import apply_mode, compile_counts, offloaded_layers
+from .timelines import timeline_step
 from .timing import one_timed_step, settle, summarize_steps, train_step
 
 
@@ -115,6 +116,7 @@ def measure(model, ids, mode, ctx, a, cuda, timed=None):
     ref = reference(model, train_step(model, check_ids.remainder(a.vocab), ctx), cuda)
     act, host, live_peak = inspect_step(model, ids, ctx, cuda)
     prof = profiled_step(model, ids, ctx, cuda)
+    prof.update(timeline_step(model, ids, ctx, a, mode))  # a timeline of one more step, beside the results
     reserved = ckpt_offload.stats()["host_reserved_bytes"]
     return dict(mode=mode, seq=ids.shape[1], loss=float(ref[0]), **{**summarize_steps(timed), "host_reserved_bytes": reserved},
                 act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof, **compiled), ref

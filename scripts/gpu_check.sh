@@ -106,7 +106,7 @@ PYEOF
   ) || { echo "no async_offload and every2 peaks in the step stage's JSON: no budget to plan for"; return 4; }
   echo "budget: $budget bytes (seq ${SEQS%%,*})"
   "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "${SEQS%%,*}" --steps 3 \
-    --modes none,full,every2,every4,async_offload,every2_async,attn_offload --budget "$budget" --out "$OUT/budget"
+    --modes none,full,every2,every4,async_offload,every2_async,attn_offload --budget "$budget" --no-timeline --out "$OUT/budget"
 }
 
 summary() {
@@ -152,6 +152,12 @@ if step:
             rate(r.get("d2h_gb_per_s")), rate(r.get("h2d_gb_per_s")),
             r["host_alloc_calls_timed"]] if "step_ms_median" in r else [r["mode"], r["seq"], r.get("error") or r.get("skipped")]
            + [""] * 8 for r in step["rows"]])
+    timelines = [r for r in step["rows"] if r.get("timeline_files")]
+    if timelines:  # kept in step/ beside bench_step.json
+        print("timelines of one step (copy time under compute, exposed wait): " + "; ".join(
+            f"{r['mode']}@{r['seq']} {ratio(r.get('timeline_overlap_fraction'))}, "
+            f"{'n/a' if r.get('timeline_exposed_wait_ms') is None else format(r['timeline_exposed_wait_ms'], '.2f')} ms"
+            f" ({', '.join(r['timeline_files'])})" for r in timelines))
     for seq, lk in (step.get("link") or {}).items():
         if lk:
             print(f"pinned peak @ seq {seq} ({lk['block_bytes'] / 2**20:g} MiB blocks): D2H {lk['d2h_gb_per_s']:.1f} GB/s, "
@@ -258,7 +264,7 @@ stage step 125 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYER
   --lengths 2048:8192 --length-steps 12 --out "$OUT/step"
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
 stage step_compile 60 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
-  --budget-s 45 --out "$OUT/step_compile"
+  --budget-s 45 --no-timeline --out "$OUT/step_compile"
 stage budget 50 budget_run
 stage hf 30 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
 # Host time per step of tiny models, every mode beside what it replaces: host-bound or not, targets.

@@ -149,6 +149,14 @@ def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
     # 3 of 4 layers offloaded (keep_last 1), one 2x64x64 fp32 input each, every step, both ways.
     assert a["bytes_offloaded_per_step"] == a["bytes_prefetched_per_step"] == 3 * 2 * 64 * 64 * 4
     assert a["d2h_gb_per_s"] > 0 and a["h2d_gb_per_s"] > 0  # the profiled step timed its copies
+    # One step's timeline beside the results, for every mode that offloads through the engine (not "full").
+    seq = a["seq"]
+    assert a["timeline_files"] == [f"timeline_async_offload_{seq}.json", f"timeline_async_offload_{seq}.png"]
+    trace = json.load(open(out / "step" / a["timeline_files"][0]))
+    assert sum(1 for e in trace["traceEvents"] if e.get("cat") == "d2h") == 3  # the 3 offloaded layers
+    assert (out / "step" / a["timeline_files"][1]).read_bytes()[:4] == b"\x89PNG"
+    full = next(r for r in result["rows"] if r["mode"] == "full")
+    assert "timeline_files" not in full
     # The step peak (live tensor bytes, tracked on the CPU) falls by the theoretical saving.
     for mode in ("async_offload", "every2_async"):
         (sv,) = [x for x in result["savings"] if x["mode"] == mode]
