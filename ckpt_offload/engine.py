@@ -80,6 +80,27 @@ _POOL_KEYS = ("pinned", "reserved_bytes", "in_use_bytes", "alloc_calls", "alloca
               "misses", "cap_refusals", "alloc_failures", "capacity_bytes")
 
 
+# The disk tier's figures (host_pool().set_spill_dir) that stats() reports, under the names on the right.
+_SPILL_KEYS = {
+    "tensors_spilled": "tensors_spilled",
+    "bytes_spilled": "bytes_spilled",
+    "tensors_read": "tensors_read_back",
+    "bytes_read": "bytes_read_back",
+    "write_ms": "disk_write_ms",
+    "read_ms": "disk_read_ms",
+    "reads_ahead": "disk_reads_ahead",
+    "read_waits": "disk_read_waits",
+    "write_waits": "disk_write_waits",
+    "reads_over_cap": "disk_reads_over_cap",
+    "write_errors": "disk_write_errors",
+    "read_errors": "disk_read_errors",
+    "files": "disk_files",
+    "disk_bytes": "disk_bytes",
+    "peak_disk_bytes": "disk_peak_bytes",
+    "io_mode": "disk_io_mode",
+}
+
+
 def stats() -> dict:
     """The counters of every engine summed, the host pool's figures and the Python layer's.
 
@@ -92,7 +113,8 @@ def stats() -> dict:
             the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
             `host_alloc_calls`, ...); `tensors_kept_on_device`, `shared_views`, `midpoint_misses`;
             `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
-            `h2d_gb_per_s` (float, or None when nothing was timed).
+            `h2d_gb_per_s` (float, or None when nothing was timed); the disk tier's figures
+            (`tensors_spilled`, `bytes_spilled`, `disk_*`; zero without a tier, see docs/disk.md).
     """
     out = {k: 0 for k in _ENGINE_KEYS}
     for eng in _C.all_engines():
@@ -101,11 +123,17 @@ def stats() -> dict:
     pool = _C.global_pool().stats()
     out.update({f"host_{k}": pool[k] for k in _POOL_KEYS})
     out["host_peak_bytes"] = pool["peak_in_use_bytes"]
+    spill = _C.global_pool().spill_stats()
+    out.update({name: spill[k] for k, name in _SPILL_KEYS.items()})
     with _counters_lock:
         out.update(_counters)
     out["profiling"] = _C.profiling()
     out["d2h_gb_per_s"] = _rate(out["d2h_bytes_timed"], out["d2h_copy_ms"])
     out["h2d_gb_per_s"] = _rate(out["h2d_bytes_timed"], out["h2d_copy_ms"])
+    # The worker threads' time inside open/pwrite/pread/close (always measured: one clock read an I/O).
+    out["disk_write_gb_per_s"] = _rate(spill["bytes_spilled"], spill["write_ms"])
+    out["disk_read_gb_per_s"] = _rate(spill["bytes_read"], spill["read_ms"])
+    out["disk_gb_per_s"] = _rate(spill["bytes_spilled"] + spill["bytes_read"], spill["write_ms"] + spill["read_ms"])
     return out
 
 

@@ -37,8 +37,8 @@ class _Record:
     record lives), and the tensor once back while views sharing it are still to be unpacked."""
 
     __slots__ = (
-        "handle", "engine", "nbytes", "seq", "group", "prefetched", "tensor", "storage_offset", "counter",
-        "version", "users", "left", "task", "__weakref__",
+        "handle", "engine", "nbytes", "seq", "group", "prefetched", "read_ahead", "tensor", "storage_offset",
+        "counter", "version", "users", "left", "task", "__weakref__",
     )
 
     def __init__(self, handle, engine, seq, group, storage_offset, counter, version):
@@ -48,6 +48,7 @@ class _Record:
         self.seq = seq  # the last pack that uses this copy: where backward needs it first
         self.group = group  # the checkpoint call (layer) of that pack
         self.prefetched = False  # a reload is on its way (started ahead of the fetch)
+        self.read_ahead = False  # a read from the disk tier was asked for (it does nothing on host)
         self.tensor = None
         self.storage_offset = storage_offset
         self.counter = counter  # the source's version counter, and its value when offloaded
@@ -453,10 +454,12 @@ class OffloadSession:
 
     def _prefetch_before(self, seq):
         """Start the reloads backward needs next: records packed before position seq in the same
-        forward (see new_forward), nearest first."""
+        forward (see new_forward), nearest first. With a disk tier, the `spill_read_ahead` units
+        after those start their reads from disk into host memory, so the reload finds them there."""
         if self.prefetch <= 0:
             return
         task = _graph_task_id() if _graph_task_id is not None else -1
+        ahead = _engine._C.global_pool().spill_read_ahead
         with self._lock:
             seqs, refs = self._seqs, self._refs
             # Drop dead entries at the tail: backward consumes the newest first. A record fetched
@@ -471,21 +474,31 @@ class OffloadSession:
             j = bisect_right(starts, seq) - 1
             lowest = starts[j] if j >= 0 else -1
             queued = queued_bytes = 0
+            limit = self.prefetch + ahead
             group = None
             by_layer = self.prefetch_unit == "layer"
             todo = []
+            reads = []
             while i >= 0 and seqs[i] >= lowest:
                 r = refs[i]()
                 i -= 1
                 if r is None or r.task == task:  # fetched by this backward already
                     continue
                 if not by_layer or r.group != group:  # a new unit: a layer's tensors go together
-                    if queued >= self.prefetch:
+                    if queued >= limit:
                         break
-                    if self.prefetch_bytes is not None and queued > 0 and queued_bytes + r.nbytes > self.prefetch_bytes:
-                        break
+                    if (queued < self.prefetch and self.prefetch_bytes is not None and queued > 0
+                            and queued_bytes + r.nbytes > self.prefetch_bytes):
+                        if not ahead:
+                            break
+                        queued = self.prefetch  # the byte budget ends the reloads; the reads go on
                     queued += 1
                     group = r.group
+                if queued > self.prefetch:
+                    if not r.prefetched and not r.read_ahead:
+                        r.read_ahead = True
+                        reads.append(r)
+                    continue
                 queued_bytes += r.nbytes
                 if not r.prefetched:
                     r.prefetched = True
@@ -493,6 +506,9 @@ class OffloadSession:
         named = _timeline.enabled or _autograd_profiler._is_profiler_enabled
         for r in todo:
             (_timeline.NamedEngine(r.engine, self, r.group) if named else r.engine).prefetch(r.handle)
+        for r in reads:
+            if not r.engine.read_ahead(r.handle):
+                r.read_ahead = False  # no host block free yet: asked again at the next reload point
 
     # -- context -------------------------------------------------------------------------------
     def begin(self):
@@ -642,10 +658,17 @@ def _warn_refused(eng):
     if not _refusal_warned:
         _refusal_warned = True
         s = eng.pool.stats()
+        spill = eng.pool.spill_stats()
+        if spill["failed"]:
+            disk = " The disk tier stopped after a write error (stats()['disk_write_errors']; the error was printed)."
+        elif spill["io_mode"] is not None:
+            disk = " The disk tier had no room either (its max_bytes, or no block of a fitting size to spill)."
+        else:
+            disk = ""
         warnings.warn(
             "ckpt_offload: the host pool refused a block (capacity cap "
             f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
-            "allocations); tensors that do not fit stay on the device. Gradients are unaffected. "
+            f"allocations); tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
             "This warning is shown once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
             RuntimeWarning,
             stacklevel=3,

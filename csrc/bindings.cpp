@@ -5,8 +5,11 @@
 #include <unordered_set>
 #include <vector>
 
+#include <cerrno>
+
 #include "copy_engine.h"
 #include "host_pool.h"
+#include "spill.h"
 #include "timeline.h"
 
 #ifndef CKPT_OFFLOAD_TORCH_VERSION
@@ -63,6 +66,52 @@ py::dict engine_stats_dict(const EngineStats& s) {
   d["h2d_bytes_timed"] = s.h2d_bytes_timed;
   d["h2d_copies_timed"] = s.h2d_copies_timed;
   return d;
+}
+
+py::dict spill_stats_dict(const std::shared_ptr<SpillTier>& tier) {
+  const SpillStats s = tier ? tier->stats() : SpillStats();
+  py::dict d;
+  d["tensors_spilled"] = s.tensors_spilled;
+  d["bytes_spilled"] = s.bytes_spilled;
+  d["tensors_read"] = s.tensors_read;
+  d["bytes_read"] = s.bytes_read;
+  d["write_ms"] = s.write_ms;
+  d["read_ms"] = s.read_ms;
+  d["reads_ahead"] = s.reads_ahead;
+  d["read_waits"] = s.read_waits;
+  d["write_waits"] = s.write_waits;
+  d["reads_over_cap"] = s.reads_over_cap;
+  d["write_errors"] = s.write_errors;
+  d["read_errors"] = s.read_errors;
+  d["files"] = s.files;
+  d["disk_bytes"] = s.disk_bytes;
+  d["peak_disk_bytes"] = s.peak_disk_bytes;
+  d["max_bytes"] = s.max_bytes;
+  d["io_mode"] = tier ? py::object(py::str(s.direct ? "direct" : "buffered")) : py::object(py::none());
+  d["failed"] = s.failed;
+  return d;
+}
+
+// set_spill_dir: the tier, with the simulated runtime's observer, delays and broken rules when CPU
+// engines made now would get that runtime.
+std::shared_ptr<SpillTier> make_spill_tier(const std::string& path, uint64_t max_bytes, int read_ahead,
+                                           int spill_ahead) {
+  const Break broken = break_from_env();
+  const bool sim = std::string(test_path_from_env()) == "async-sim";
+  const bool disk_break = broken == Break::kSpillWrite || broken == Break::kSpillD2H;
+  TORCH_CHECK_VALUE(!disk_break || sim, "HostPool.set_spill_dir: CKPT_OFFLOAD_TEST_BREAK=spill_write/spill_d2h is a ",
+                    "testing aid of the simulated runtime; set CKPT_OFFLOAD_TEST_CPU=1 and CKPT_OFFLOAD_TEST_ASYNC=1");
+  std::shared_ptr<SpillTier> tier;
+  try {
+    tier = SpillTier::create(path, max_bytes, read_ahead, spill_ahead);
+  } catch (const SpillPathError& e) {
+    throw py::value_error(std::string("HostPool.") + e.what());
+  }
+  if (sim) {
+    tier->set_test_hooks(make_sim_disk_observer(), sim_disk_max_us(), sim_seed(), broken == Break::kSpillWrite,
+                         broken == Break::kSpillD2H);
+  }
+  return tier;
 }
 
 size_t checked_size(int64_t n, const char* what) {
@@ -262,8 +311,67 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
              return pool_stats_dict(s);
            })
-      .def("reset_stats", &HostPool::reset_stats, release_gil())
+      .def(
+          "reset_stats",
+          [](HostPool& p) {
+            p.reset_stats();
+            if (auto tier = p.spill()) tier->reset_stats();
+          },
+          release_gil())
       .def_property_readonly("pinned", &HostPool::pinned)
+      .def(
+          "set_spill_dir",
+          [](HostPool& p, py::object path, std::optional<int64_t> max_bytes, int64_t read_ahead, int64_t spill_ahead) {
+            if (path.is_none()) {
+              py::gil_scoped_release no_gil;
+              p.set_spill(nullptr);
+              return;
+            }
+            py::object fs = py::module_::import("os").attr("fspath")(path);
+            TORCH_CHECK_VALUE(py::isinstance<py::str>(fs), "HostPool.set_spill_dir: path must be a str or os.PathLike ",
+                              "of str (or None to switch the disk tier off)");
+            TORCH_CHECK_VALUE(!max_bytes || *max_bytes > 0, "HostPool.set_spill_dir: max_bytes must be a positive ",
+                              "number of bytes or None (no budget), got ", max_bytes.value_or(0));
+            TORCH_CHECK_VALUE(read_ahead >= 0 && read_ahead <= 1024, "HostPool.set_spill_dir: read_ahead must be ",
+                              "between 0 and 1024 layers, got ", read_ahead);
+            TORCH_CHECK_VALUE(spill_ahead >= 0 && spill_ahead <= 1024, "HostPool.set_spill_dir: spill_ahead must be ",
+                              "between 0 and 1024 writes, got ", spill_ahead);
+            const std::string dir = fs.cast<std::string>();
+            auto tier = make_spill_tier(dir, static_cast<uint64_t>(max_bytes.value_or(0)), static_cast<int>(read_ahead),
+                                        static_cast<int>(spill_ahead));
+            py::gil_scoped_release no_gil;
+            p.set_spill(std::move(tier));
+          },
+          py::arg("path"), py::arg("max_bytes") = py::none(), py::arg("read_ahead") = 2, py::arg("spill_ahead") = 1,
+          "Once the pool's cap is reached, offloads spill the blocks of the earliest layers to files in a "
+          "per-process directory under path (None switches the disk tier off). max_bytes: the disk budget. "
+          "read_ahead: layers a read starts ahead of the reload. spill_ahead: writes started before the cap refuses")
+      .def_property_readonly(
+          "spill_dir",
+          [](HostPool& p) -> py::object {
+            auto tier = p.spill();
+            if (!tier) return py::none();
+            const std::string dir = tier->process_dir();
+            return dir.empty() ? py::object(py::none()) : py::object(py::str(dir));
+          },
+          "The per-process directory the disk tier writes in (None when off or removed by empty_cache())")
+      .def_property_readonly(
+          "spill_read_ahead", [](HostPool& p) { auto t = p.spill(); return t ? t->read_ahead() : 0; },
+          "Layers a read from the disk tier starts ahead of the reload (0 without a disk tier)")
+      .def("spill_stats", [](HostPool& p) { return spill_stats_dict(p.spill()); })
+      .def(
+          "inject_spill_fault",
+          [](HostPool& p, const std::string& op, int64_t nth, int err) {
+            TORCH_CHECK_VALUE(op == "write" || op == "read", "inject_spill_fault: op must be 'write' or 'read', got '",
+                              op, "'");
+            TORCH_CHECK_VALUE(nth >= 0, "inject_spill_fault: nth must be >= 0, got ", nth);
+            TORCH_CHECK_VALUE(err > 0, "inject_spill_fault: errno must be positive, got ", err);
+            auto tier = p.spill();
+            TORCH_CHECK(tier, "inject_spill_fault: the pool has no disk tier (call set_spill_dir first)");
+            tier->inject_fault(op == "write", static_cast<uint64_t>(nth), err);
+          },
+          py::arg("op"), py::arg("nth") = 1, py::arg("errno") = ENOSPC,
+          "Testing aid: the nth next write (or read) of the disk tier fails with this errno (nth=0 clears)")
       .def(
           "inject_alloc_failures",
           [](HostPool& p, int64_t n) {
@@ -316,6 +424,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prefetch", &CopyEngine::prefetch, py::arg("handle"), release_gil())
       .def("fetch", &CopyEngine::fetch, py::arg("handle"), py::arg("keep_host") = false, release_gil())
       .def("release", &CopyEngine::release, py::arg("handle"), release_gil())
+      .def("read_ahead", &CopyEngine::read_ahead, py::arg("handle"), release_gil(),
+           "A spilled handle: starts reading it back into a pool block within the cap; else nothing. False when "
+           "no block was free within the cap (ask again later)")
       .def("poll", &CopyEngine::poll, release_gil())
       .def(
           "release_sources",

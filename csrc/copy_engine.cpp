@@ -5,6 +5,8 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <cerrno>
+#include <algorithm>
 #include <cstdio>
 #include <map>
 
@@ -83,6 +85,8 @@ const char* state_name(HandleState s) {
       return "fetched";
     case HandleState::kReleased:
       return "released";
+    case HandleState::kOnDisk:
+      return "on_disk";
   }
   return "unknown";
 }
@@ -218,6 +222,7 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
 
   std::vector<at::Tensor> garbage;  // destroyed after the lock below is released
+  std::vector<HandlePtr> keep;      // likewise
   if (h->nbytes_ == 0) {
     h->state_ = HandleState::kOnHost;
     std::lock_guard<std::mutex> lock(mu_);
@@ -234,6 +239,8 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   const int64_t queued = rec ? timeline::now_ns() : 0;
   const PoolStats pool_before = rec ? pool_->stats() : PoolStats();
   std::shared_ptr<HostBlock> block = pool_->acquire(h->nbytes_, /*wait_host=*/false);
+  if (!block) block = acquire_spilling(h->nbytes_);  // the cap refused: a block of an earlier layer, spilled
+  const bool spilling = block && pool_->spill() != nullptr;
   if (rec) note_allocations(pool_before, pool_->stats(), queued, h->id_, device_);
   CopySample copy_sample{nullptr, nullptr, 0, true};  // profiling: the copy's two events
   if (block) {
@@ -256,27 +263,32 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     h->state_ = event_done(done) ? HandleState::kOnHost : HandleState::kOffloading;
   }
 
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!block) {
-    st_.offloads_refused += 1;
-    return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!block) {
+      st_.offloads_refused += 1;
+      return nullptr;
+    }
+    if (copy_sample.start) {
+      copy_samples_.push_back(std::move(copy_sample));
+      if (copy_samples_.size() > 4096) fold_samples_locked();  // stats() never called
+    }
+    queued_bytes_ += h->nbytes_;
+    if (h->state_ == HandleState::kOffloading) {
+      // The source must outlive its copy: held until the copy's event completes (poll), or handed
+      // back in stream order once enough later copies were queued behind it, or when its layer's
+      // forward ends (release_sources_locked).
+      pending_.push_back({h->d2h_done_, src, compute, h->id_, queued_bytes_});
+    }
+    release_sources_locked(kHandBackBytes, garbage);
+    h->block_ = std::move(block);
+    st_.compacted += compact ? 1 : 0;
+    st_.tensors_offloaded += 1;
+    st_.bytes_offloaded += h->nbytes_;
+    if (spilling) note_resident_locked(h, keep);  // a candidate for the disk, oldest first
   }
-  if (copy_sample.start) {
-    copy_samples_.push_back(std::move(copy_sample));
-    if (copy_samples_.size() > 4096) fold_samples_locked();  // stats() never called
-  }
-  queued_bytes_ += h->nbytes_;
-  if (h->state_ == HandleState::kOffloading) {
-    // The source must outlive its copy: held until the copy's event completes (poll), or handed
-    // back in stream order once enough later copies were queued behind it, or when its layer's
-    // forward ends (release_sources_locked).
-    pending_.push_back({h->d2h_done_, src, compute, h->id_, queued_bytes_});
-  }
-  release_sources_locked(kHandBackBytes, garbage);
-  h->block_ = std::move(block);
-  st_.compacted += compact ? 1 : 0;
-  st_.tensors_offloaded += 1;
-  st_.bytes_offloaded += h->nbytes_;
+  keep.clear();
+  if (spilling) spill_ahead(h->nbytes_);
   return h;
 }
 
@@ -359,6 +371,7 @@ void CopyEngine::prefetch_locked(OffloadHandle& h, at::Tensor fresh) {
 void CopyEngine::prefetch(const HandlePtr& h) {
   TORCH_CHECK_VALUE(h != nullptr, "prefetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "prefetch: the handle belongs to another engine");
+  bring_back(h);
   std::vector<at::Tensor> garbage;  // destroyed after the lock is released
   std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
   at::Tensor fresh = lock_with_dest(*h, lock);
@@ -372,6 +385,7 @@ void CopyEngine::prefetch(const HandlePtr& h) {
 at::Tensor CopyEngine::fetch(const HandlePtr& h, bool keep_host) {
   TORCH_CHECK_VALUE(h != nullptr, "fetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "fetch: the handle belongs to another engine");
+  bring_back(h);
   std::vector<at::Tensor> garbage;
   std::shared_ptr<HostBlock> block;
   at::Tensor dest;
@@ -446,6 +460,15 @@ void CopyEngine::release_locked(OffloadHandle& h, std::vector<at::Tensor>& garba
   if (h.dest_.defined()) garbage.push_back(std::move(h.dest_));
   h.dest_ = at::Tensor();
   h.block_.reset();  // the block carries the event of the last copy that touched it
+  // A queued write or read is skipped; the file goes once no I/O uses it. A read that may be running
+  // is kept where synchronize() waits for it, as writes are.
+  if (h.disk_job_) {
+    h.disk_job_->cancel();
+    if (!h.disk_job_->write() && !h.disk_job_->done()) writes_.push_back(h.disk_job_);
+  }
+  h.disk_job_.reset();
+  h.file_.reset();
+  h.tier_.reset();
   h.state_ = HandleState::kReleased;
 }
 
@@ -456,6 +479,207 @@ void CopyEngine::release(const HandlePtr& h) {
   std::lock_guard<std::mutex> lock(mu_);
   release_locked(*h, garbage);
   poll_locked(garbage);
+}
+
+// ---------------------------------------------------------------------------------------------
+// the disk tier
+
+void CopyEngine::note_resident_locked(const HandlePtr& h, std::vector<HandlePtr>& keep) {
+  // Handles fetched or dead since are dropped from the front (a step's come back before the next
+  // step's offloads), and all through now and then (a graph kept alive can hold the front).
+  auto stale = [&keep](const std::weak_ptr<OffloadHandle>& w) {
+    HandlePtr v = w.lock();
+    const bool gone = !v || !v->block_ ||
+                      (v->state_ != HandleState::kOnHost && v->state_ != HandleState::kOffloading);
+    if (v) keep.push_back(std::move(v));  // a last reference must not die here, under the lock
+    return gone;
+  };
+  while (!resident_.empty() && stale(resident_.front())) resident_.pop_front();
+  if (resident_.size() >= resident_compact_at_) {
+    resident_.erase(std::remove_if(resident_.begin(), resident_.end(), stale), resident_.end());
+    resident_compact_at_ = std::max<size_t>(1024, 2 * resident_.size());
+  }
+  resident_.push_back(h);
+}
+
+SpillJobPtr CopyEngine::evict_locked(const std::shared_ptr<SpillTier>& tier, size_t nbytes,
+                                     std::vector<HandlePtr>& keep) {
+  // Victims in offload order: the earliest layers, which backward reaches last.
+  const size_t cls = HostPool::round_size(nbytes);
+  for (auto it = resident_.begin(); it != resident_.end();) {
+    HandlePtr v = it->lock();
+    if (v) keep.push_back(v);  // a last reference must not die here, under the lock
+    if (!v || !v->block_ || (v->state_ != HandleState::kOnHost && v->state_ != HandleState::kOffloading)) {
+      it = resident_.erase(it);  // fetched, reloading, released: never a victim again
+      continue;
+    }
+    if (v->block_->capacity() < cls) {
+      ++it;  // its block would not serve the request
+      continue;
+    }
+    std::shared_ptr<SpillFile> file = tier->new_file(v->nbytes_, *v->block_);
+    if (!file) return nullptr;  // over the disk budget, or the directory cannot be made
+    resident_.erase(it);
+    // The write reads the block after the offload copy that fills it (its event, on the worker).
+    v->disk_job_ = tier->write(file, std::move(v->block_), v->d2h_done_, v->id_);
+    v->file_ = std::move(file);
+    v->tier_ = tier;
+    v->state_ = HandleState::kOnDisk;
+    writes_.push_back(v->disk_job_);
+    return v->disk_job_;
+  }
+  return nullptr;
+}
+
+void CopyEngine::prune_writes_locked() {
+  while (!writes_.empty() && writes_.front()->done()) {
+    const SpillJobPtr& job = writes_.front();
+    if (job->write() && job->failed() && job->error_number() != ECANCELED) {
+      TORCH_WARN(job->message(), "; the disk tier stops: tensors past the host pool's cap stay on the device ",
+                 "until set_spill_dir() is called again");
+    } else {
+      // Written, or read for a released handle: the block goes back to the pool now (a failed
+      // write's stays with its handle, which takes it back).
+      job->take_block();
+    }
+    writes_.pop_front();
+  }
+}
+
+std::shared_ptr<HostBlock> CopyEngine::acquire_spilling(size_t nbytes) {
+  std::shared_ptr<SpillTier> tier = pool_->spill();
+  if (!tier) return nullptr;
+  for (;;) {
+    // The oldest write still running frees a block once it completes; with none running, one
+    // that completed meanwhile may have freed one already; else a new write starts.
+    SpillJobPtr job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prune_writes_locked();
+      if (!writes_.empty()) job = writes_.front();
+    }
+    std::vector<HandlePtr> keep;  // destroyed after the lock is released
+    if (!job) {
+      std::shared_ptr<HostBlock> block = pool_->acquire(nbytes, /*wait_host=*/false);
+      if (block) return block;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (tier->usable()) job = evict_locked(tier, nbytes, keep);
+    }
+    if (!job) return nullptr;  // nothing to spill: the tensor stays where it is
+    if (!job->done()) {
+      tier->note_write_wait();
+      job->wait();
+    }
+    std::shared_ptr<HostBlock> block = pool_->acquire(nbytes, /*wait_host=*/false);
+    if (block) return block;
+  }
+}
+
+void CopyEngine::spill_ahead(size_t nbytes) {
+  // Once the next request of this size would be refused, the oldest block starts on its way to the
+  // disk now, so that the write runs beside the next layer's forward instead of before its copy.
+  std::shared_ptr<SpillTier> tier = pool_->spill();
+  if (!tier || tier->spill_ahead() == 0 || !tier->usable()) return;
+  std::vector<HandlePtr> keep;  // destroyed after the lock is released
+  std::lock_guard<std::mutex> lock(mu_);
+  prune_writes_locked();
+  if (pool_->fits(nbytes)) return;
+  size_t running = 0;
+  for (const auto& j : writes_) running += j->done() ? 0 : 1;
+  if (running < static_cast<size_t>(tier->spill_ahead())) evict_locked(tier, nbytes, keep);
+}
+
+void CopyEngine::settle_write_locked(OffloadHandle& h) {
+  if (h.state_ != HandleState::kOnDisk || !h.disk_job_ || !h.disk_job_->write() || !h.disk_job_->done()) return;
+  if (h.disk_job_->failed()) {
+    // The block still holds the tensor: it is on the host again, and no file is left.
+    h.block_ = h.disk_job_->take_block();
+    h.file_.reset();
+    h.tier_.reset();
+    h.state_ = HandleState::kOnHost;
+  }
+  h.disk_job_.reset();
+}
+
+bool CopyEngine::start_read(const HandlePtr& h, bool must) {
+  std::shared_ptr<SpillTier> tier;
+  size_t nbytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    settle_write_locked(*h);
+    if (h->state_ != HandleState::kOnDisk || h->disk_job_) return false;  // not on disk, or I/O under way
+    tier = h->tier_;
+    nbytes = h->nbytes_;
+  }
+  // Allocation may pin memory: outside the engine lock. Ahead of need, only within the cap; when
+  // the reload needs it now, past the cap (a cap full of other layers' blocks cannot wait here).
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    prune_writes_locked();  // blocks of finished writes back to the pool first
+  }
+  std::shared_ptr<HostBlock> block = pool_->acquire(nbytes, /*wait_host=*/false);
+  if (!block && must) {
+    block = pool_->acquire(nbytes, /*wait_host=*/false, /*over_cap=*/true);
+    if (block) tier->note_read_over_cap();
+  }
+  TORCH_CHECK(block || !must, "ckpt_offload: no host memory to read back a spilled tensor of ", nbytes,
+              " bytes (handle #", h->id_, ")");
+  if (!block) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (h->state_ != HandleState::kOnDisk || h->disk_job_) return false;  // another thread started it
+  EventPtr after = block->pending();  // a copy may still read the reused block: the read writes it after
+  h->disk_job_ = tier->read(h->file_, std::move(block), std::move(after), h->id_);
+  if (!must) tier->note_read_ahead();
+  return true;
+}
+
+bool CopyEngine::read_ahead(const HandlePtr& h) {
+  TORCH_CHECK_VALUE(h != nullptr, "read_ahead: handle is None");
+  TORCH_CHECK_VALUE(h->engine_.get() == this, "read_ahead: the handle belongs to another engine");
+  if (start_read(h, /*must=*/false)) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return h->state_ != HandleState::kOnDisk || h->disk_job_ != nullptr;  // else no block: ask again later
+}
+
+void CopyEngine::bring_back(const HandlePtr& h) {
+  SpillJobPtr job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    settle_write_locked(*h);
+    if (h->state_ != HandleState::kOnDisk) return;
+    job = h->disk_job_;
+  }
+  if (job && job->write()) {
+    job->wait();  // needed before its write finished: the file is complete after it
+    std::lock_guard<std::mutex> lock(mu_);
+    settle_write_locked(*h);
+    if (h->state_ != HandleState::kOnDisk) return;
+  }
+  start_read(h, /*must=*/true);
+  std::shared_ptr<SpillTier> tier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (h->state_ != HandleState::kOnDisk) return;
+    job = h->disk_job_;
+    tier = h->tier_;
+  }
+  TORCH_CHECK(job && !job->write(), "ckpt_offload: internal error: a spilled handle without its read");
+  if (!job->done() && !broken(Break::kSpillRead)) {
+    tier->note_read_wait();  // the read was not started far enough ahead of the reload
+    job->wait();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (h->state_ != HandleState::kOnDisk || h->disk_job_ != job) return;
+  if (job->done()) {
+    TORCH_CHECK(!job->failed(), job->message(), " (handle #", h->id_, ")");
+    h->block_ = job->take_block();
+    h->file_.reset();  // the data is back in host memory: the file goes
+    h->tier_.reset();
+    h->disk_job_.reset();
+  } else {
+    h->block_ = job->peek_block();  // broken protocol (testing): the reload will not wait for the read
+  }
+  h->state_ = HandleState::kOnHost;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -512,6 +736,16 @@ size_t CopyEngine::poll() {
 
 void CopyEngine::synchronize() {
   rt_->synchronize();
+  std::deque<SpillJobPtr> writes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writes = writes_;
+  }
+  for (auto& job : writes) job->wait();  // the disk tier's writes hold pool blocks until they end
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    prune_writes_locked();
+  }
   poll();
 }
 

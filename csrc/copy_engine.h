@@ -14,11 +14,13 @@
 
 #include "host_pool.h"
 #include "runtime.h"
+#include "spill.h"
 #include "timeline.h"
 
 namespace ckpt_offload {
 
-enum class HandleState { kOffloading, kOnHost, kPrefetching, kFetched, kReleased };
+// kOnDisk: the pool block was written to a file of the pool's disk tier (or is being written).
+enum class HandleState { kOffloading, kOnHost, kPrefetching, kFetched, kReleased, kOnDisk };
 const char* state_name(HandleState s);
 
 struct EngineStats {
@@ -85,6 +87,10 @@ class OffloadHandle {
   EventPtr h2d_done_;
   at::Tensor dest_;                    // device span while prefetching
   c10::Stream dest_stream_ = c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU));
+  // On disk: the file, the write or read on it (queued, running or done), and the tier doing it.
+  std::shared_ptr<SpillFile> file_;
+  SpillJobPtr disk_job_;
+  std::shared_ptr<SpillTier> tier_;
 };
 
 using HandlePtr = std::shared_ptr<OffloadHandle>;
@@ -112,6 +118,10 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   at::Tensor fetch(const HandlePtr& h, bool keep_host = false);
   // Gives everything back without fetching. Idempotent.
   void release(const HandlePtr& h);
+  // A spilled handle: starts reading its file back into a pool block if the pool has one within its
+  // cap (the disk stage, started layers ahead of prefetch). Does nothing for other handles. False
+  // when it could not start for want of a block within the cap (ask again later).
+  bool read_ahead(const HandlePtr& h);
   // Drops sources whose device-to-host copy has completed; returns how many are still pending.
   size_t poll();
   // Hands sources back to the allocator, all but those with fewer than `keep_bytes` of later copies
@@ -155,6 +165,16 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
   bool broken(Break b) const { return broken_ == b; }
   void refresh_state_locked(OffloadHandle& h);
   void fold_samples_locked();
+  // The disk tier (spill.h). When the pool's cap refuses a block, the oldest handles still holding
+  // one (the earliest layers: backward needs them last) are written to files and their blocks reused.
+  std::shared_ptr<HostBlock> acquire_spilling(size_t nbytes);
+  void spill_ahead(size_t nbytes);  // starts writes before the cap refuses (SpillTier::spill_ahead)
+  void prune_writes_locked();       // drops finished writes, warning of a failed one
+  // Handles looked at are appended to keep, which the caller destroys after unlocking.
+  SpillJobPtr evict_locked(const std::shared_ptr<SpillTier>& tier, size_t nbytes, std::vector<HandlePtr>& keep);
+  void settle_write_locked(OffloadHandle& h);  // a finished write: on disk, or back on host if it failed
+  bool start_read(const HandlePtr& h, bool must);
+  void bring_back(const HandlePtr& h);  // on disk -> on host, waiting on the host for the read
 
   const c10::Device device_;
   const std::shared_ptr<HostPool> pool_;
@@ -174,6 +194,11 @@ class CopyEngine : public std::enable_shared_from_this<CopyEngine> {
     uint64_t queued_end;  // queued_bytes_ once its copy was queued
   };
   std::deque<PendingSource> pending_;
+  std::deque<std::weak_ptr<OffloadHandle>> resident_;  // offload order, while the pool has a disk tier
+  size_t resident_compact_at_ = 1024;
+  void note_resident_locked(const HandlePtr& h, std::vector<HandlePtr>& keep);
+  // This engine's writes, oldest first, and reads whose handle was released while they ran.
+  std::deque<SpillJobPtr> writes_;
   uint64_t queued_bytes_ = 0;  // bytes of every D2H copy queued so far
   struct WaitSample {
     EventPtr start, end;

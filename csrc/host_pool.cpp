@@ -2,6 +2,8 @@
 // capacity cap, statistics; pinned allocations made in a context that already exists.
 #include "host_pool.h"
 
+#include "spill.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -164,6 +166,7 @@ std::shared_ptr<HostPool> HostPool::create(bool pinned) {
 HostPool::HostPool(bool pinned) : pinned_(pinned) { st_.pinned = pinned; }
 
 HostPool::~HostPool() {
+  if (spill_) spill_->stop();
   // Blocks in use hold a reference to the pool, so only free blocks remain here.
   for (auto& kv : free_) {
     if (kv.second.last_use) {
@@ -252,7 +255,7 @@ size_t HostPool::bound_limit(uint64_t high_water, uint64_t working_set) {
                   static_cast<size_t>(working_set));
 }
 
-std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
+std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host, bool over_cap) {
   const size_t cls = round_size(nbytes);
   std::shared_ptr<HostBlock> block;
   {
@@ -271,7 +274,7 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
       const uint64_t h = std::max<uint64_t>(high_water_, st_.in_use_bytes + nbytes);
       const uint64_t w = std::max<uint64_t>(working_set_, st_.in_use_block_bytes + cls);
       evict_until(cls, bound_limit(h, w));
-      if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes) {
+      if (st_.capacity_bytes > 0 && st_.reserved_bytes + cls > st_.capacity_bytes && !over_cap) {
         evict_until(cls, st_.capacity_bytes);
         if (st_.reserved_bytes + cls > st_.capacity_bytes) {
           st_.cap_refusals += 1;
@@ -296,6 +299,32 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host) {
   }
   if (wait_host) block->wait_pending();
   return block;
+}
+
+bool HostPool::fits(size_t nbytes) {
+  const size_t cls = round_size(nbytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (best_fit(cls) != free_.end() || st_.capacity_bytes == 0) return true;
+  // Every free block is smaller: acquire would return them to the system before growing.
+  size_t free_bytes = 0;
+  for (const auto& kv : free_) free_bytes += kv.first;
+  return st_.reserved_bytes - free_bytes + cls <= st_.capacity_bytes;
+}
+
+std::shared_ptr<SpillTier> HostPool::spill() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return spill_;
+}
+
+void HostPool::set_spill(std::shared_ptr<SpillTier> tier) {
+  std::shared_ptr<SpillTier> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::move(spill_);
+    spill_ = std::move(tier);
+  }
+  // Stopped outside the lock: its workers finish their jobs first, which return blocks here.
+  if (old) old->stop();
 }
 
 void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls) {
@@ -386,6 +415,8 @@ void HostPool::reserve(const std::vector<size_t>& sizes) {
 }
 
 size_t HostPool::empty_cache() {
+  // The disk tier's per-process directory goes too when no file is left in it.
+  if (auto tier = spill()) tier->remove_dir_if_empty();
   std::lock_guard<std::mutex> lock(mu_);
   high_water_ = st_.in_use_bytes;
   working_set_ = st_.in_use_block_bytes;

@@ -15,6 +15,7 @@
 namespace ckpt_offload {
 
 class HostPool;
+class SpillTier;  // spill.h: the disk tier under the pool
 
 struct PoolStats {
   uint64_t reserved_bytes = 0;     // host memory currently held by the pool (free + in use)
@@ -107,7 +108,13 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // Returns nullptr when the cap or the system refuses: the caller keeps its data where it is.
   // wait_host: block until a reused block's pending copy finished (host writers). Otherwise the
   // block may come with a pending() event that the caller orders its own copy after.
-  std::shared_ptr<HostBlock> acquire(size_t nbytes, bool wait_host);
+  // over_cap: serve past the capacity cap (a read back from the disk tier that cannot wait).
+  std::shared_ptr<HostBlock> acquire(size_t nbytes, bool wait_host, bool over_cap = false);
+  // Whether acquire(nbytes) would be served within the cap now (from a free block or by growing).
+  bool fits(size_t nbytes);
+  // The disk tier that takes what the cap refuses (set_spill_dir), or null. Set to null to stop.
+  std::shared_ptr<SpillTier> spill();
+  void set_spill(std::shared_ptr<SpillTier> tier);
   // One call, one step shape: makes sure that requests of these sizes, held at once, are served
   // from free blocks: pairs them
   // (largest first, best fit) with the free blocks and allocates only what is left, so a second
@@ -163,6 +170,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t high_water_ = 0;   // H; not reset by reset_stats(): the bound's reference
   uint64_t working_set_ = 0;  // W; likewise
   std::atomic<uint64_t> inject_failures_{0};
+  std::shared_ptr<SpillTier> spill_;  // under mu_
 };
 
 }  // namespace ckpt_offload

@@ -82,8 +82,11 @@ Break break_from_env() {
   if (v == "source_wait") return Break::kSourceWait;
   if (v == "fetch_wait") return Break::kFetchWait;
   if (v == "copy_error") return Break::kCopyError;
+  if (v == "spill_write") return Break::kSpillWrite;
+  if (v == "spill_read") return Break::kSpillRead;
+  if (v == "spill_d2h") return Break::kSpillD2H;
   TORCH_CHECK_VALUE(false, "CKPT_OFFLOAD_TEST_BREAK must be one of d2h_wait, reload_wait, last_use, source_wait, ",
-                    "fetch_wait, copy_error (or unset), got '", v, "'");
+                    "fetch_wait, copy_error, spill_write, spill_read, spill_d2h (or unset), got '", v, "'");
 }
 
 std::unique_ptr<CopyRuntime> make_sync_runtime(const c10::Device& device) {

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda_util.h"
+#include "spill.h"
 
 namespace ckpt_offload {
 
@@ -24,6 +25,10 @@ enum class Break {
   kSourceWait,  // source_wait: a source is handed back without ordering its producer after its copy
   kFetchWait,   // fetch_wait: fetch does not make the compute stream wait for the reload
   kCopyError,   // copy_error: the simulated copy streams fail their third copy (error reporting)
+  // The disk tier (spill.h; honoured by tiers made under the simulated runtime):
+  kSpillWrite,  // spill_write: a written block goes back to the pool when its write is queued
+  kSpillRead,   // spill_read: the reload of a spilled tensor does not wait for its read
+  kSpillD2H,    // spill_d2h: a write does not wait for the offload copy that fills its block
 };
 
 // "off", "sync" or "async-sim": which runtime an engine of the CPU device gets, from the environment
@@ -85,6 +90,13 @@ class CopyRuntime {
 std::unique_ptr<CopyRuntime> make_runtime(const c10::Device& device, Break broken);
 std::unique_ptr<CopyRuntime> make_sync_runtime(const c10::Device& device);
 std::unique_ptr<CopyRuntime> make_sim_runtime(const c10::Device& device, Break broken);
+// The simulated runtime's view of a disk tier's I/O: hazards for copies that touch pool memory a
+// queued write or read uses, and for a write that starts before the copy filling its block ended.
+std::shared_ptr<DiskObserver> make_sim_disk_observer();
+// The random delay, in microseconds, of each simulated disk I/O: CKPT_OFFLOAD_TEST_DISK_MAX_US, else
+// CKPT_OFFLOAD_TEST_ASYNC_MAX_US (default 200).
+int64_t sim_disk_max_us();
+uint64_t sim_seed();
 #ifdef CKPT_OFFLOAD_WITH_CUDA
 std::unique_ptr<CopyRuntime> make_cuda_runtime(const c10::Device& device);
 #endif

@@ -51,12 +51,23 @@ bool overlap(const void* a, size_t an, const void* b, size_t bn) {
   return an > 0 && bn > 0 && pa < pb + bn && pb < pa + an;
 }
 
+// A disk tier's queued write (the disk reads the block) or read (the disk writes it).
+struct SimDiskIO {
+  uint64_t io;
+  const char* ptr;
+  size_t nbytes;
+  bool write;
+  uint64_t handle;
+};
+
 // One lock for every simulated runtime: events and pool blocks cross engines (two engines share
 // the process-wide pool), so the copies in flight are known process-wide.
 struct SimState {
   std::mutex mu;
   std::condition_variable done_cv;  // an event completed or a copy finished
   std::list<std::shared_ptr<SimCopy>> in_flight;
+  std::list<SimDiskIO> disk;         // queued or running disk I/O
+  std::exception_ptr disk_hazard;    // found on a disk worker; raised by the next engine call
   uint64_t next_key = 1;
   uint64_t next_runtime = 0;
 };
@@ -220,6 +231,17 @@ class SimRuntime : public CopyRuntime {
       }
       hazard(what, handle, describe(*c) + " conflicts with the queued " + describe(*y));
     }
+    for (const auto& io : state().disk) {
+      const bool writes_block = overlap(c->dst, nbytes, io.ptr, io.nbytes);
+      const bool reads_block = overlap(c->src, nbytes, io.ptr, io.nbytes);
+      if (!writes_block && !reads_block) continue;
+      const std::string detail = describe(*c) + " conflicts with the queued disk " + (io.write ? "write" : "read") +
+                                 " of " + std::to_string(io.nbytes) + " bytes of " + handle_name(io.handle);
+      if (c->d2h && writes_block && io.write) hazard("pool block handed to a writer while its disk write is queued",
+                                                      handle, detail);
+      if (!c->d2h && reads_block && !io.write) hazard("reload queued before its disk read completed", handle, detail);
+      if (writes_block || !io.write) hazard("copy queued while a disk I/O still uses its memory", handle, detail);
+    }
     c->pos = ++s.pos;
     state().in_flight.push_back(c);
     s.queue.push_back(Op{Op::kCopy, nullptr, c});
@@ -314,6 +336,7 @@ class SimRuntime : public CopyRuntime {
     {
       std::lock_guard<std::mutex> lock(state().mu);
       std::swap(e, error_);
+      if (!e) std::swap(e, state().disk_hazard);
     }
     if (e) std::rethrow_exception(e);
   }
@@ -362,7 +385,53 @@ class SimRuntime : public CopyRuntime {
   Stream streams_[2];
 };
 
+// Records the disk tier's I/O in the process-wide state the copies are checked against.
+class SimDiskObserver : public DiskObserver {
+ public:
+  void queued(uint64_t io, const void* ptr, size_t n, bool write, uint64_t handle) override {
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().disk.push_back(SimDiskIO{io, static_cast<const char*>(ptr), n, write, handle});
+  }
+  void started(uint64_t io) override {
+    std::lock_guard<std::mutex> lock(state().mu);
+    for (const auto& d : state().disk) {
+      if (d.io != io || !d.write) continue;
+      for (const auto& y : state().in_flight) {
+        if (!overlap(d.ptr, d.nbytes, y->dst, y->nbytes)) continue;
+        try {
+          hazard("disk write started before the offload copy into its block completed", d.handle,
+                 "the queued offload copy of " + std::to_string(y->nbytes) + " bytes of " + handle_name(y->handle));
+        } catch (...) {
+          if (!state().disk_hazard) state().disk_hazard = std::current_exception();
+          throw;  // the write fails too: it would have read a block still being filled
+        }
+      }
+    }
+  }
+  void finished(uint64_t io) override {
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().disk.remove_if([io](const SimDiskIO& d) { return d.io == io; });
+  }
+};
+
+int64_t env_us(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && x >= 0, name, " must be a non-negative integer, got '", v, "'");
+  return x;
+}
+
 }  // namespace
+
+std::shared_ptr<DiskObserver> make_sim_disk_observer() { return std::make_shared<SimDiskObserver>(); }
+
+int64_t sim_disk_max_us() {
+  return env_us("CKPT_OFFLOAD_TEST_DISK_MAX_US", env_us("CKPT_OFFLOAD_TEST_ASYNC_MAX_US", 200));
+}
+
+uint64_t sim_seed() { return static_cast<uint64_t>(env_us("CKPT_OFFLOAD_TEST_SEED", 0)); }
 
 std::unique_ptr<CopyRuntime> make_sim_runtime(const c10::Device& device, Break broken) {
   return std::make_unique<SimRuntime>(device, broken);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the engine, checkpoint, reliability, hf and timeline tests on the simulated asynchronous runtime
+# Runs the engine, checkpoint, reliability, hf, timeline and disk tests on the simulated asynchronous runtime
 # (CKPT_OFFLOAD_TEST_CPU=1 CKPT_OFFLOAD_TEST_ASYNC=1), once per seed: copies really in flight,
 # hazards reported. Usage: scripts/test_async_sim.sh [SEED...] (default: 1 2 3); PYTHON picks the
 # interpreter (default .venv/bin/python). Extra pytest arguments: PYTEST_ARGS.
@@ -13,5 +13,6 @@ for seed in "${seeds[@]}"; do
   CKPT_OFFLOAD_TEST_CPU=1 CKPT_OFFLOAD_TEST_ASYNC=1 CKPT_OFFLOAD_TEST_SEED="$seed" \
     "$python" -m pytest tests/test_engine.py tests/test_checkpoint.py tests/test_reliability.py tests/test_hf.py \
     tests/test_timeline.py \
+    tests/test_disk.py \
     -q -p no:cacheprovider ${PYTEST_ARGS:-}
 done

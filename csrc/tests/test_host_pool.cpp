@@ -1,4 +1,5 @@
-// Unit tests of the host pool on its host-only path (HostPool::create(false)); no torch, no GPU.
+// Unit tests of the host pool on its host-only path (HostPool::create(false)) and of its disk tier
+// (spill.h) in a directory under /tmp; no torch, no GPU.
 // Usage: test_host_pool [name...]   (no name: run all; --list: print the names). Exit 1 on any failure.
 #include <algorithm>
 #include <atomic>
@@ -15,11 +16,20 @@
 #include <thread>
 #include <vector>
 
+#include <dirent.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include "host_pool.h"
+#include "spill.h"
 
 using ckpt_offload::HostBlock;
 using ckpt_offload::HostPool;
 using ckpt_offload::PoolStats;
+using ckpt_offload::SpillPathError;
+using ckpt_offload::SpillStats;
+using ckpt_offload::SpillTier;
 
 namespace {
 
@@ -617,12 +627,167 @@ void test_pinned() {
   CHECK(pool->stats().pinned);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The disk tier
+
+std::string temp_dir() {
+  char templ[] = "/tmp/ckpt_offload_test_XXXXXX";
+  return mkdtemp(templ) ? std::string(templ) : std::string();
+}
+
+size_t entries(const std::string& dir) {
+  size_t n = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) n += (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0);
+    closedir(d);
+  }
+  return n;
+}
+
+void fill(HostBlock& b, unsigned seed) {
+  auto* p = static_cast<unsigned char*>(b.data());
+  for (size_t i = 0; i < b.size(); ++i) p[i] = static_cast<unsigned char>((i * 131 + seed) & 0xff);
+}
+
+bool holds(const HostBlock& b, unsigned seed) {
+  const auto* p = static_cast<const unsigned char*>(b.data());
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (p[i] != static_cast<unsigned char>((i * 131 + seed) & 0xff)) return false;
+  }
+  return true;
+}
+
+// Stopped workers let go of the tier (and its directory) soon after; waits up to 5 s.
+bool gone_soon(const std::string& dir) {
+  for (int i = 0; i < 500 && entries(dir) > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return entries(dir) == 0;
+}
+
+// Block -> file -> another block, bytes equal; one file per tensor, gone with its last reference;
+// the per-process directory gone with the tier.
+void test_spill_roundtrip() {
+  const std::string dir = temp_dir();
+  auto pool = HostPool::create(false);
+  auto tier = SpillTier::create(dir, 0, 2, 1);
+  const std::string proc = tier->process_dir();
+  CHECK_MSG(proc.rfind(dir + "/ckpt_offload-" + std::to_string(getpid()) + "-", 0) == 0, proc);
+  CHECK_EQ(entries(proc), 0u);  // the probes are gone
+  uint64_t total = 0;
+  unsigned seed = 1;
+  for (size_t n : {size_t{1000}, size_t{4096}, size_t{3 * MiB + 123}}) {
+    auto src = pool->acquire(n, true);
+    fill(*src, seed);
+    auto file = tier->new_file(n, *src);
+    CHECK(file != nullptr);
+    if (!file) return;
+    auto w = tier->write(file, std::move(src), nullptr, seed);
+    w->wait();
+    CHECK_MSG(!w->failed(), w->message());
+    w->take_block();  // back to the pool
+    CHECK_EQ(entries(proc), 1u);
+    auto dst = pool->acquire(n, true);
+    std::memset(dst->data(), 0, dst->size());
+    auto r = tier->read(file, std::move(dst), nullptr, seed);
+    r->wait();
+    CHECK_MSG(!r->failed(), r->message());
+    auto back = r->take_block();
+    CHECK(back && holds(*back, seed));
+    w.reset();
+    r.reset();
+    file.reset();
+    CHECK_EQ(entries(proc), 0u);
+    total += n;
+    ++seed;
+  }
+  const SpillStats s = tier->stats();
+  CHECK_EQ(s.tensors_spilled, 3u);
+  CHECK_EQ(s.bytes_spilled, total);
+  CHECK_EQ(s.tensors_read, 3u);
+  CHECK_EQ(s.bytes_read, total);
+  CHECK_EQ(s.files, 0u);
+  CHECK_EQ(s.disk_bytes, 0u);
+  tier->stop();
+  tier.reset();
+  CHECK(gone_soon(dir));
+  rmdir(dir.c_str());
+}
+
+void test_spill_bad_path() {
+  const std::string dir = temp_dir();
+  CHECK_THROWS(SpillTier::create(dir + "/missing", 0, 2, 1), SpillPathError);
+  const std::string file = dir + "/a_file";
+  std::fclose(std::fopen(file.c_str(), "w"));
+  CHECK_THROWS(SpillTier::create(file, 0, 2, 1), SpillPathError);
+  CHECK_THROWS(SpillTier::create("", 0, 2, 1), SpillPathError);
+  try {
+    SpillTier::create(file, 0, 2, 1);
+  } catch (const SpillPathError& e) {
+    CHECK_MSG(std::string(e.what()).find("is not a directory") != std::string::npos, e.what());
+  }
+  unlink(file.c_str());
+  CHECK_EQ(entries(dir), 0u);  // nothing made by the failed calls
+  rmdir(dir.c_str());
+}
+
+// An injected ENOSPC: the block keeps the data, the tier stops; an injected EIO on read names the file.
+void test_spill_faults() {
+  const std::string dir = temp_dir();
+  auto pool = HostPool::create(false);
+  auto tier = SpillTier::create(dir, 0, 2, 1);
+  tier->inject_fault(true, 2, ENOSPC);  // the second write from now
+  for (unsigned i = 1; i <= 2; ++i) {
+    auto b = pool->acquire(64 * KiB, true);
+    fill(*b, i);
+    auto file = tier->new_file(64 * KiB, *b);
+    auto w = tier->write(file, std::move(b), nullptr, i);
+    w->wait();
+    if (i == 1) {
+      CHECK(!w->failed());
+      continue;
+    }
+    CHECK(w->failed());
+    CHECK_EQ(w->error_number(), ENOSPC);
+    CHECK_MSG(w->message().find(file->path()) != std::string::npos, w->message());
+    CHECK_MSG(w->message().find("errno 28") != std::string::npos, w->message());
+    auto kept = w->take_block();
+    CHECK(kept && holds(*kept, i));  // the tensor's only copy is intact
+    CHECK(!tier->usable());
+    CHECK(tier->new_file(64 * KiB, *kept) == nullptr);
+    CHECK_EQ(tier->stats().write_errors, 1u);
+  }
+  tier->stop();
+  auto reader = SpillTier::create(dir, 0, 2, 1);
+  reader->inject_fault(false, 1, EIO);
+  auto b = pool->acquire(64 * KiB, true);
+  fill(*b, 7);
+  auto file = reader->new_file(64 * KiB, *b);
+  auto w = reader->write(file, std::move(b), nullptr, 7);
+  w->wait();
+  CHECK(!w->failed());
+  auto r = reader->read(file, pool->acquire(64 * KiB, true), nullptr, 7);
+  r->wait();
+  CHECK(r->failed());
+  CHECK_EQ(r->error_number(), EIO);
+  CHECK_MSG(r->message().find(file->path()) != std::string::npos, r->message());
+  CHECK_EQ(reader->stats().read_errors, 1u);
+  w.reset();
+  r.reset();
+  file.reset();
+  reader->stop();
+  reader.reset();
+  tier.reset();
+  CHECK(gone_soon(dir));
+  rmdir(dir.c_str());
+}
+
 const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
     {"round_size", test_round_size},   {"hit_reuse", test_hit_reuse},     {"cap_refusal", test_cap_refusal},
     {"alloc_failure", test_alloc_failure}, {"empty_cache", test_empty_cache}, {"reserve", test_reserve},
     {"slack_random", test_slack_random}, {"threads", test_threads},       {"pinned", test_pinned},
     {"fine_tuning", test_fine_tuning},   {"growing", test_growing},         {"alternating", test_alternating},
     {"bound_adversarial", test_bound_adversarial}, {"reserve_pairs", test_reserve_pairs},
+    {"spill_roundtrip", test_spill_roundtrip}, {"spill_bad_path", test_spill_bad_path},
+    {"spill_faults", test_spill_faults},
 };
 
 }  // namespace
