@@ -4,6 +4,8 @@ GPU: device-to-host, host-to-device and both at once, 64 KiB..1 GiB blocks: the 
 (CopyEngine offload / prefetch / fetch into its pinned pool), torch pin_memory() tensors with
 copy_(non_blocking=True) on side streams, and pageable tensors. CUDA events time every batch.
 CPU (no GPU): the pool's acquire+release cost and the host-path round trip, labelled as CPU.
+--disk DIR: only the disk tier's figures instead (bench_disk.py): write and read GB/s in DIR with
+and without O_DIRECT, and through the tier's worker threads.
 """
 from __future__ import annotations
 
@@ -291,13 +293,35 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--iters", type=int, default=100_000, help="acquire+release pairs per CPU measurement")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    p.add_argument("--disk", metavar="DIR", help="measure the disk tier in DIR instead (see bench_disk.py)")
+    p.add_argument("--disk-block-mib", type=int, default=64, help="bytes per file with --disk (a layer's input)")
+    p.add_argument("--disk-mib", type=int, default=1024, help="bytes written and read per pass with --disk")
     a = p.parse_args(argv)
     a.size_list = [int(s) for s in a.sizes.split(",")] if a.sizes else [64 * KiB * 4**i for i in range(8)]
     return a
 
 
+def disk_main(a):
+    from bench_disk import disk_result, print_disk
+
+    os.makedirs(a.out, exist_ok=True)
+    result = dict(kind="bench_disk", hardware=hardware_info(), config=vars(a))
+    result.update(disk_result(a.disk, a.disk_block_mib * MiB, a.disk_mib * MiB))
+    path = os.path.join(a.out, "bench_disk.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print_disk(result)
+    print(f"\nJSON: {path}")
+    if result["problems"]:
+        print("PROBLEMS:\n  " + "\n  ".join(result["problems"]))
+        return 3
+    return 0
+
+
 def main(argv=None):
     a = parse_args(argv)
+    if a.disk:
+        return disk_main(a)
     gpu = torch.cuda.is_available() and ckpt_offload.build_info()["cuda_usable"]
     os.makedirs(a.out, exist_ok=True)
     t0 = time.monotonic()
