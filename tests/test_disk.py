@@ -4,6 +4,7 @@ faults keep tensors on the device or fail the step naming the file; the simulate
 each broken ordering of the new stage. CPU test path (CKPT_OFFLOAD_TEST_CPU=1)."""
 import errno
 import gc
+import json
 import os
 import re
 import shutil
@@ -435,3 +436,25 @@ def test_each_disk_rule_is_load_bearing(monkeypatch, tmp_path, brk, where, copy_
         eng.synchronize()
     except RuntimeError:
         pass  # a second report of the same broken run
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+def test_bench_bandwidth_disk_measures_both_modes_and_the_tier(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)
+    env.pop("CKPT_OFFLOAD_TEST_ASYNC", None)
+    p = subprocess.run([sys.executable, "benchmarks/bench_bandwidth.py", "--disk", str(tmp_path), "--disk-mib", "8",
+                        "--disk-block-mib", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(out / "bench_disk.json"))
+    assert result["filesystem"]["fstype"] != "unknown" and result["problems"] == []
+    raw = [r for r in result["rows"] if r["path"] == "pwrite/pread"]
+    assert [r["o_direct"] for r in raw] == [True, False]
+    assert raw[1]["read_cold_gb_per_s"] > 0 and raw[1]["write_gb_per_s"] > 0
+    assert raw[0].get("error") or raw[0]["write_gb_per_s"] > 0  # tmpfs refuses O_DIRECT, and says so
+    tier = result["rows"][-1]
+    assert tier["path"] == "disk tier" and tier["round_trip_ok"] and tier["tensors_spilled"] == 8 - 2 + 1
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # every file it wrote is gone
+    assert "disk: " + os.path.realpath(tmp_path) in p.stdout
