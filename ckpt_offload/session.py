@@ -24,6 +24,7 @@ from ._args import check_prefetch as _check_prefetch
 from .midpoints import Midpoints, _graph_task_id
 
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
+_POOL = _engine.host_pool()  # the process-wide pool (the one engine_for's engines share) and its disk tier
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -459,7 +460,7 @@ class OffloadSession:
         if self.prefetch <= 0:
             return
         task = _graph_task_id() if _graph_task_id is not None else -1
-        ahead = _engine._C.global_pool().spill_read_ahead
+        ahead = _POOL.spill_read_ahead  # 0 without a disk tier
         with self._lock:
             seqs, refs = self._seqs, self._refs
             # Drop dead entries at the tail: backward consumes the newest first. A record fetched
