@@ -71,6 +71,26 @@ void note_allocations(const PoolStats& before, const PoolStats& after, int64_t s
   timeline::add(std::move(r));
 }
 
+// An event the disk tier's workers wait on, made current on the engine's device first: a CUDA call
+// from a thread with no current device would make device 0's primary context current there, or
+// create it (hundreds of MiB on GPU 0 in every rank).
+class OnDeviceEvent : public Event {
+ public:
+  OnDeviceEvent(EventPtr event, c10::Device device) : event_(std::move(event)), device_(device) {}
+  bool query() const override {
+    c10::OptionalDeviceGuard guard(device_);
+    return event_->query();
+  }
+  void synchronize() const override {
+    c10::OptionalDeviceGuard guard(device_);
+    event_->synchronize();
+  }
+
+ private:
+  const EventPtr event_;
+  const c10::Device device_;
+};
+
 }  // namespace
 
 const char* state_name(HandleState s) {
@@ -521,7 +541,9 @@ SpillJobPtr CopyEngine::evict_locked(const std::shared_ptr<SpillTier>& tier, siz
     if (!file) return nullptr;  // over the disk budget, or the directory cannot be made
     resident_.erase(it);
     // The write reads the block after the offload copy that fills it (its event, on the worker).
-    v->disk_job_ = tier->write(file, std::move(v->block_), v->d2h_done_, v->id_);
+    EventPtr after = v->d2h_done_;
+    if (after && cuda_) after = std::make_shared<OnDeviceEvent>(std::move(after), device_);
+    v->disk_job_ = tier->write(file, std::move(v->block_), std::move(after), v->id_);
     v->file_ = std::move(file);
     v->tier_ = tier;
     v->state_ = HandleState::kOnDisk;
@@ -628,6 +650,7 @@ bool CopyEngine::start_read(const HandlePtr& h, bool must) {
   std::lock_guard<std::mutex> lock(mu_);
   if (h->state_ != HandleState::kOnDisk || h->disk_job_) return false;  // another thread started it
   EventPtr after = block->pending();  // a copy may still read the reused block: the read writes it after
+  if (after && cuda_) after = std::make_shared<OnDeviceEvent>(std::move(after), device_);
   h->disk_job_ = tier->read(h->file_, std::move(block), std::move(after), h->id_);
   if (!must) tier->note_read_ahead();
   return true;
