@@ -302,7 +302,7 @@ def parse_args(argv=None):
 
 
 def disk_main(a):
-    from bench_disk import disk_result, print_disk
+    from benchmarks.bench_disk import disk_result, print_disk
 
     os.makedirs(a.out, exist_ok=True)
     result = dict(kind="bench_disk", hardware=hardware_info(), config=vars(a))

@@ -1,6 +1,7 @@
 """Disk bandwidth for the disk tier (host_pool().set_spill_dir): what the filesystem of a directory
 gives pwrite/pread with and without O_DIRECT, and what the tier's worker threads get through the pool.
-Run as `bench_bandwidth.py --disk DIR`; the output names the device and filesystem of DIR."""
+Run as `bench_bandwidth.py --disk DIR` (a module of the benchmarks package); the output names the
+device and filesystem of DIR."""
 from __future__ import annotations
 
 import mmap
