@@ -249,7 +249,9 @@ std::shared_ptr<SpillFile> SpillTier::new_file(size_t nbytes, const HostBlock& b
 
 SpillJobPtr SpillTier::queue(SpillJobPtr job, EventPtr after) {
   job->after_ = std::move(after);
-  job->io_ = next_io_.fetch_add(1);
+  // Process-wide: the simulated runtime's observer knows the I/O of every tier by this number.
+  static std::atomic<uint64_t> next_io{1};
+  job->io_ = next_io.fetch_add(1);
   std::shared_ptr<DiskObserver> observer;
   {
     std::lock_guard<std::mutex> lock(mu_);
