@@ -2,7 +2,6 @@
 #include <torch/extension.h>
 
 #include <optional>
-#include <unordered_set>
 #include <vector>
 
 #include <cerrno>
@@ -130,52 +129,6 @@ at::Tensor block_tensor(const std::shared_ptr<HostBlock>& block) {
   return at::from_blob(
       block->data(), {static_cast<int64_t>(block->size())}, [keep](void*) {},
       at::TensorOptions().dtype(at::kByte));
-}
-
-// The storages of a module tree's parameters and buffers (a DTensor's by its local tensor), as data
-// pointers: what a session never offloads. Read before every forward (.to() or FSDP may move them);
-// the same walk in Python costs the host thousands of interpreted calls a step for a deep model.
-py::set module_storage_ptrs(const py::handle& model) {
-  // Held for the life of the process (torch's own types): never released at exit.
-  static PyObject* const tensor_type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
-  static PyObject* const param_type = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
-  auto plain = [](const py::handle& t) {
-    const auto* type = reinterpret_cast<PyObject*>(Py_TYPE(t.ptr()));
-    return type == tensor_type || type == param_type;
-  };
-  py::set ptrs;
-  std::unordered_set<PyObject*> seen;
-  std::vector<py::handle> todo{model};
-  while (!todo.empty()) {
-    py::handle m = todo.back();
-    todo.pop_back();
-    if (m.is_none() || !seen.insert(m.ptr()).second) {
-      continue;
-    }
-    for (const char* attr : {"_parameters", "_buffers"}) {
-      for (auto item : py::reinterpret_borrow<py::dict>(m.attr(attr))) {
-        py::object t = py::reinterpret_borrow<py::object>(item.second);
-        if (!t.is_none() && !plain(t)) {
-          t = py::getattr(t, "_local_tensor", py::none());
-        }
-        if (t.is_none() || !plain(t)) {
-          continue;  // a subclass (fake tensors): never an offload candidate anyway
-        }
-        const at::Tensor v = t.cast<at::Tensor>();
-        if (!v.has_storage()) {
-          continue;
-        }
-        const void* ptr = v.storage().data();
-        if (ptr != nullptr) {  // a freed storage (resize_(0)) holds nothing to exclude
-          ptrs.add(py::int_(reinterpret_cast<uintptr_t>(ptr)));
-        }
-      }
-    }
-    for (auto item : py::reinterpret_borrow<py::dict>(m.attr("_modules"))) {
-      todo.push_back(item.second);
-    }
-  }
-  return ptrs;
 }
 
 }  // namespace
@@ -465,7 +418,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "engine_for", [](const std::string& device) { return CopyEngine::for_device(c10::Device(device)); },
       py::arg("device"));
   m.def("all_engines", &CopyEngine::all_engines);
-  m.def("module_storage_ptrs", &module_storage_ptrs, py::arg("model"),
-        "Data pointers of the storages of model's parameters and buffers (DTensors: their local tensors)");
   m.def("global_pool", &CopyEngine::global_pool);
 }
