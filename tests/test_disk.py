@@ -393,13 +393,16 @@ def sim_spill_dir(monkeypatch, pool, path, disk_us, brk=None):
         monkeypatch.delenv("CKPT_OFFLOAD_TEST_BREAK", raising=False)
 
 
-def _two_through_one_block(eng):
-    """A cap of one block: the first tensor is spilled to make room for the second, then both come back."""
+def _two_through_one_block(eng, check=True):
+    """A cap of one block: the first tensor is spilled to make room for the second, then both come back.
+    check=False (a broken protocol): only run the calls; the hazard report is what the test expects."""
     x = [torch.arange(64 * 1024, dtype=torch.float32) + 1000 * i for i in range(2)]
     hs = [eng.offload(t) for t in x]
-    assert all(h is not None for h in hs)
-    back = [eng.fetch(h) for h in hs]
-    assert all(torch.equal(a, b) for a, b in zip(back, x))
+    if check:
+        assert all(h is not None for h in hs)
+    back = [eng.fetch(h) for h in hs if h is not None]
+    if check:
+        assert all(torch.equal(a, b) for a, b in zip(back, x))
 
 
 # (break, where it is broken, copy delay us, disk delay us, hazard)
@@ -427,13 +430,20 @@ def test_each_disk_rule_is_load_bearing(monkeypatch, tmp_path, brk, where, copy_
     pool, eng = setup(brk)
     message = r"ckpt_offload hazard \(async-sim\): " + re.escape(hazard) + r": handle #\d+;"
     with pytest.raises(RuntimeError, match=message):
-        _two_through_one_block(eng)
+        _two_through_one_block(eng, check=False)
         eng.synchronize()
         eng.offload(torch.zeros(4))  # a hazard found on a disk worker surfaces at the next call
-    try:
-        eng.synchronize()
-    except RuntimeError:
-        pass  # a second report of the same broken run
+    # Drain the broken run: its disk workers may report again, at any engine's next call; the next
+    # test must not see this run's reports.
+    for _ in range(5):
+        try:
+            eng.synchronize()
+            pool.set_spill_dir(None)
+            eng.offload(torch.zeros(4))
+            eng.synchronize()
+            break
+        except RuntimeError:
+            continue
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
