@@ -164,6 +164,9 @@ def main():
 
         print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, "
               f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
+    # Every rank done before any tears its process group down: a rank that destroys it while another
+    # still prints can abort in gloo's teardown at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
