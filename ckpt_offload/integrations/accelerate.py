@@ -7,7 +7,6 @@ ckpt_offload.enable_checkpointing(..., offload=True) instead; without it, accele
 from __future__ import annotations
 
 import functools
-import sys
 
 try:
     import accelerate.utils.fsdp_utils as _source
@@ -16,9 +15,10 @@ except ImportError as err:  # pragma: no cover - exercised only without accelera
 
 from .. import enable_checkpointing
 from .._args import check_prefetch as _check_prefetch
+from .._patching import NamePatch
 
 _NAME = "fsdp2_apply_ac"
-_installed = []  # [(accelerate's function, ours)] while installed
+_patch = NamePatch("accelerate", _NAME)
 _settings = {"keep_last": 1, "prefetch": 1, "prefetch_bytes": None}
 
 
@@ -43,11 +43,6 @@ def wrapped_layers(plugin, model) -> list:
     return layers
 
 
-def _holders():
-    return [mod for name, mod in list(sys.modules.items())
-            if mod is not None and (name == "accelerate" or name.startswith("accelerate."))]
-
-
 def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
     """Routes FSDP2's activation_checkpointing_offload=True to the async engine.
 
@@ -62,7 +57,7 @@ def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
     """
     _check_prefetch("accelerate.install", prefetch, prefetch_bytes, keep_last)
     _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    if _installed:
+    if _patch.installed():
         return
     original = _source.__dict__[_NAME]
 
@@ -82,23 +77,15 @@ def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
         )
         return model
 
-    for mod in _holders():
-        if mod.__dict__.get(_NAME) is original:
-            setattr(mod, _NAME, routed)
-    _installed.append((original, routed))
+    _patch.install(original, routed)
 
 
 def uninstall() -> None:
     """Undoes install(): accelerate's own offload_wrapper(checkpoint_wrapper(...)) again. Models
     prepared while it was installed keep their engine offload. No-op if not installed."""
-    if not _installed:
-        return
-    original, routed = _installed.pop()
-    for mod in _holders():
-        if mod.__dict__.get(_NAME) is routed:
-            setattr(mod, _NAME, original)
+    _patch.uninstall()
 
 
 def installed() -> bool:
     """Whether install() is in effect."""
-    return bool(_installed)
+    return _patch.installed()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import warnings
 
 try:
@@ -21,9 +20,10 @@ from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from ..activations import offload_activations
 from .. import find_repeated_blocks
+from .._patching import NamePatch
 
 _NAME = "get_act_offloading_ctx_manager"
-_installed = []  # [(TRL's function, ours)] while installed
+_patch = NamePatch("trl", _NAME)
 _settings = {"keep_last": None, "prefetch": 2, "prefetch_bytes": None}
 
 
@@ -100,12 +100,6 @@ def _ctx_manager(model, use_pin_memory=True, use_streams=True, min_offload_size=
     )
 
 
-def _holders():
-    """The modules of TRL loaded now (trl.models is a lazy module: its __dict__ only, no import)."""
-    return [mod for name, mod in list(sys.modules.items())
-            if mod is not None and (name == "trl" or name.startswith("trl."))]
-
-
 def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None) -> None:
     """Routes TRL's activation_offloading=True to the async engine, for every TRL trainer.
 
@@ -124,7 +118,7 @@ def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None) -> None:
         _check_int("trl.install", "keep_last", keep_last, 0)
     _check_prefetch("trl.install", prefetch, prefetch_bytes)
     _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
-    if _installed:
+    if _patch.installed():
         return
     original = _source.__dict__[_NAME]
     signature = inspect.signature(original)
@@ -136,24 +130,16 @@ def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None) -> None:
 
     import trl.models  # the lazy module the trainers import the name from
 
-    for mod in [_source, trl.models, *_holders()]:
-        if mod.__dict__.get(_NAME) is original or mod is trl.models:
-            setattr(mod, _NAME, routed)
-    _installed.append((original, routed))
+    _patch.install(original, routed, also=(_source, trl.models))
 
 
 def uninstall() -> None:
     """Undoes install(): TRL's own offloader again, in every TRL module that holds ours (also those
     imported while installed). Trainers created while installed keep their context until rebuilt.
     No-op if not installed."""
-    if not _installed:
-        return
-    original, routed = _installed.pop()
-    for mod in _holders():
-        if mod.__dict__.get(_NAME) is routed:
-            setattr(mod, _NAME, original)
+    _patch.uninstall()
 
 
 def installed() -> bool:
     """Whether install() is in effect."""
-    return bool(_installed)
+    return _patch.installed()
