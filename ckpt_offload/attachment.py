@@ -335,6 +335,7 @@ class Attachment:
         self.whole = OffloadSession(prefetch=1) if "offload" in self.modes else None
         self.saved = []  # [(module, name, value before)]: what install() changed, for restore()
         self.handles = []  # hook handles and Midpoints
+        self.midpoints = None  # the Midpoints among handles: the blocks' forwards tell it where they are
         self.warned_reenable = False
         self._runtime()
 
@@ -364,11 +365,23 @@ class Attachment:
             return fn(*args, **kwargs)
         keep = i is not None and self.modes[i] == "checkpoint"
         if self.hf:  # kwargs: checkpoint keywords a layer passed (older model code)
-            return run_checkpoint(self.session, fn, args, self._checkpoint_kwargs(i, kwargs), keep)
-        warn_kwarg_tensors(kwargs)
-        # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
-        fn = functools.partial(fn, **kwargs) if kwargs else fn
-        return run_checkpoint(self.session, fn, args, self._checkpoint_kwargs(i), keep)
+            kwargs = self._checkpoint_kwargs(i, kwargs)
+        else:
+            warn_kwarg_tensors(kwargs)
+            # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
+            fn = functools.partial(fn, **kwargs) if kwargs else fn
+            kwargs = self._checkpoint_kwargs(i)
+        mid = self.midpoints
+        if mid is None or i is None:
+            return run_checkpoint(self.session, fn, args, kwargs, keep)
+        block = self.blocks[i]
+        mid.enter(block)
+        out = None
+        try:
+            out = run_checkpoint(self.session, fn, args, kwargs, keep)
+        finally:
+            mid.leave(block, out)  # out None: the forward raised, and what it learned goes
+        return out
 
     def body(self, forward):
         """forward, compiled with this attachment's torch.compile options (once per function)."""
@@ -490,7 +503,8 @@ class Attachment:
         checkpointed = [self.blocks[i] for i, m in enumerate(self.modes) if m.startswith("checkpoint")]
         if self.session is not None and self.options is None and Midpoints.usable(checkpointed):
             # Compiled bodies are one autograd node each: no middle to start reloads from.
-            self.handles.append(Midpoints(self.session, checkpointed))
+            self.midpoints = Midpoints(self.session, checkpointed)
+            self.handles.append(self.midpoints)
         self.owner.__dict__[ATTR] = self
         return self
 
@@ -502,6 +516,7 @@ class Attachment:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.midpoints = None
 
     # -- what runs, read off the blocks -----------------------------------------------------------
     def running_mode(self, i) -> str:

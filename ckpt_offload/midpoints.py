@@ -1,6 +1,7 @@
 """Midpoints: start a checkpointed layer's reloads of earlier layers from the middle of its backward."""
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 
@@ -35,16 +36,13 @@ class Midpoints:
         self.session = session
         session.defer_prefetch = True  # reload points wait for the midpoints from now on
         self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
+        self.path = {}  # block -> how its midpoint's node is reached from its output's (see _path_to)
         self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
         self.handles = []
         self._child_hooks = {}  # block -> [(child, handle)]: all until the midpoint is known, then its own
         for b in blocks:
-            kids = list(b.children())
-            self.handles.append(b.register_forward_pre_hook(self._block_pre))
-            # always_call: a forward that raises still ends the learning, so the nodes it kept go.
-            self.handles.append(b.register_forward_hook(self._block_post, always_call=True))
             hooks = self._child_hooks[b] = []
-            for c in kids:
+            for c in b.children():
                 hooks.append((c, c.register_forward_hook(functools.partial(self._child_post, b))))
                 self.handles.append(hooks[-1][1])
 
@@ -75,9 +73,12 @@ class Midpoints:
             tls.calls, tls.armed = {}, set()
         return tls
 
-    def _block_pre(self, block, args):
-        if _off(self.session) or _in_backward():
-            return
+    # The block's own forward calls enter() and leave() around its checkpoint (the attachment runs
+    # it): module hooks on the block would put every call of it on torch's slow call path.
+    def enter(self, block):
+        """A forward of block starts (not its recompute: that runs the body, not the block)."""
+        if block in self.path or _off(self.session) or _in_backward():
+            return  # learned, with a path: leave() finds the midpoint's node by itself
         tls = self._state()
         if block in self.mid:
             tls.armed.add(block)
@@ -99,7 +100,18 @@ class Midpoints:
                 if node is not None:
                     node.register_prehook(self._fire)
 
-    def _block_post(self, block, args, out):
+    def leave(self, block, out):
+        """block's forward ended with out (None: it raised), the checkpoint around it included."""
+        path = self.path.get(block)
+        if path is not None:
+            # The midpoint's node, found from the block's output by the path the first forward
+            # learned: no module hook runs, in the forward or in the recompute.
+            if out is None or _off(self.session) or _in_backward() or not torch.is_grad_enabled():
+                return
+            node = _follow(_grad_node(out), path)
+            if node is not None:
+                node.register_prehook(self._fire)
+            return  # not found (another branch taken): the next reload point falls back (see _reload_point)
         if _off(self.session) or _in_backward():
             return
         tls = self._state()
@@ -119,11 +131,16 @@ class Midpoints:
             return
         i = min(with_grad, key=lambda j: (abs(j - middle), j))
         self.mid[block] = order[i]
-        nodes[order[i]].register_prehook(self._fire)  # this forward's midpoint too
-        # Only the midpoint's hook is needed from now on: the other children's go, once per block
-        # (a module with no hooks runs torch's fast call path, in the forward and in the recompute).
+        target = nodes[order[i]]
+        target.register_prehook(self._fire)  # this forward's midpoint too
+        path = _path_to(_grad_node(out), target)
+        if path is not None:
+            self.path[block] = path
+        # From now on the midpoint's node is found by its path from the output, or else through
+        # the midpoint child's hook: the other children's hooks go, once per block (a module with
+        # no hooks runs torch's fast call path, in the forward and in the recompute).
         for child, handle in self._child_hooks.pop(block, ()):
-            if child is not order[i]:
+            if path is not None or child is not order[i]:
                 handle.remove()
 
     def _fire(self, grad_outputs):
@@ -145,3 +162,49 @@ def _grad_node(out):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
             return t.grad_fn
     return None
+
+
+_SEARCH = 4096  # nodes a path search looks at, at most (once per block)
+
+
+def _path_to(start, target):
+    """How target is reached from start in the autograd graph: ((input index, node name), ...),
+    each step the next_functions entry taken and the name of the node it leads to; the shortest
+    such path (the graph between a block's output and its midpoint lies inside the block). None
+    when target is not found within _SEARCH nodes."""
+    if start is None:
+        return None
+    if start is target:
+        return ()
+    parents = {start: None}
+    todo = collections.deque([start])
+    while todo and len(parents) < _SEARCH:
+        node = todo.popleft()
+        for k, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None or nxt in parents:
+                continue
+            parents[nxt] = (node, k)
+            if nxt is target:
+                steps = []
+                while parents[nxt] is not None:
+                    prev, k = parents[nxt]
+                    steps.append((k, nxt.name()))
+                    nxt = prev
+                return tuple(reversed(steps))
+            todo.append(nxt)
+    return None
+
+
+def _follow(node, path):
+    """The node path leads to from node; None when a step is missing or names another node (this
+    forward built a different graph)."""
+    for k, name in path:
+        if node is None:
+            return None
+        nxt = node.next_functions
+        if k >= len(nxt):
+            return None
+        node = nxt[k][0]
+        if node is None or node.name() != name:
+            return None
+    return node

@@ -21,7 +21,7 @@ from . import timeline as _timeline
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
-from .midpoints import Midpoints, _graph_task_id
+from .midpoints import _graph_task_id
 
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _POOL = _engine.host_pool()  # the process-wide pool (the one engine_for's engines share) and its disk tier
@@ -182,7 +182,9 @@ class OffloadSession:
         # The storages of module weights and buffers, by identity: {storage address: StorageWeakRef}.
         # The weak reference keeps the storage object's address from going to another storage; a
         # data pointer would not (FSDP2 frees unsharded weights, and activations get the memory).
-        self._module_ptrs: dict = {}
+        self._module_ptrs: dict = {}  # the modules noted while tracking (offload_activations)
+        self._root = None  # the model whose forward this is (exclude_module_tensors)
+        self._root_ptrs = None  # its tensors' storages, the same mapping, once looked up in this forward
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         self._track_modules = track_modules
         # With midpoints installed (see Midpoints), the reloads a layer's backward starts are held
@@ -248,8 +250,6 @@ class OffloadSession:
         nbytes = t.nbytes
         if nbytes == 0 or nbytes < self.min_bytes:
             return False
-        if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
-            return False
         base = t._base
         if base is not None and (isinstance(base, torch.nn.Parameter) or type(base) is not torch.Tensor):
             # A view of a parameter (F.linear saves weight.t()): copying it frees nothing, and under
@@ -257,6 +257,15 @@ class OffloadSession:
             # while the copy still reads it. Looked up per view: FSDP2 registers its unsharded
             # parameters after the module hooks have noted the sharded ones.
             return False
+        if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
+            return False
+        if self._root is not None and (base is not None or t.grad_fn is None):
+            # A module's weight or buffer given positionally (a buffer, a detach()ed weight, a view of
+            # either). An op's fresh output (a grad_fn, no base: the hidden states a block gets) has a
+            # storage of its own and needs no lookup, so the model's tensors are gathered only when
+            # a forward first packs something else.
+            if t.untyped_storage()._cdata in self.root_storages():
+                return False
         return True
 
     def _number(self, t):
@@ -527,32 +536,24 @@ class OffloadSession:
         self._deferred = []
         self.poll()
 
-    def attach(self, model, blocks, midpoints=True) -> list:
-        """The hooks a checkpointed model needs around this session; returns their handles.
-
-        Before each forward, the model's own weights and buffers, which a block may receive
-        positionally, are excluded from offload (looked up anew: .to() or FSDP may move them).
-        After each forward, sources go back to the allocator. Reloads start mid-backward in each
-        of `blocks` when they allow it (see Midpoints) and midpoints is True.
-        """
-        # Eager under torch.compile: a graph break at the model's first and last op, not inside it.
-        exclude = torch.compiler.disable(lambda module, args: self.exclude_module_tensors(module))
-        handles = [
-            model.register_forward_pre_hook(exclude),
-            model.register_forward_hook(torch.compiler.disable(lambda *_: self.poll())),
-        ]
-        if midpoints and Midpoints.usable(blocks):
-            handles.append(Midpoints(self, blocks))
-        return handles
-
     def exclude_module_tensors(self, model):
         """Never offload model's parameters and buffers (by storage), until the next call. Called
-        before each forward of the model: it also starts a new forward (see new_forward)."""
+        before each forward of the model: it also starts a new forward (see new_forward). The
+        storages are gathered when that forward first needs them (root_storages)."""
         self.new_forward()
+        self._root = model
+        self._root_ptrs = None
+
+    def root_storages(self) -> dict:
+        """{storage address: StorageWeakRef} of the parameters and buffers of the model given to
+        exclude_module_tensors, gathered once per forward (.to() or FSDP may have moved them)."""
+        refs = self._root_ptrs
+        if refs is not None:
+            return refs
         refs = {}
         # model.parameters() and model.buffers() in one walk over the modules (model.modules()
         # re-yields each module through every generator above it: thousands of calls a step).
-        todo, seen = [model], set()
+        todo, seen = [self._root], set()
         while todo:
             m = todo.pop()
             if m is None or id(m) in seen:
@@ -564,7 +565,8 @@ class OffloadSession:
                     if ref is not None:
                         refs[ref.cdata] = ref
             todo.extend(m._modules.values())
-        self._module_ptrs = refs
+        self._root_ptrs = refs
+        return refs
 
     def _note_module(self, module):
         inner = module._modules.get("_orig_mod")

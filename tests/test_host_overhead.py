@@ -1,6 +1,7 @@
 """Host work that a step must not do: no torch.compiler.disable wrapper (a dynamo frame switch) per
 layer where nothing compiles, and once the midpoints are known, no forward hook on a block's other
 children (each would send that module through torch's slow call path, in forward and recompute)."""
+import copy
 import os
 import sys
 
@@ -79,23 +80,79 @@ def test_gradients_through_the_eager_boundary_are_bitwise_torchs():
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_only_the_midpoint_child_keeps_a_hook_once_learned():
+def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
+    # The first forward learns the order of the children (a hook on each); from then on the
+    # midpoint's node is found from the block's output by the learned path, and no module hook
+    # runs, in the forward or in the recompute.
     model = make()
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    mid = model._ckpt_offload.midpoints
     x = torch.randn(2, 8, 32, requires_grad=True)
     hooked = lambda b: [name for name, c in b.named_children() if c._forward_hooks]  # noqa: E731
     assert all(hooked(b) == ["norm", "up", "down"] for b in model)  # learning the order
     ckpt_offload.reset_stats()
     model(x).square().sum().backward()
-    assert all(hooked(b) == ["up"] for b in model)  # the middle of norm, up, down
+    assert all(hooked(b) == [] and not b._forward_hooks and not b._forward_pre_hooks for b in model)
+    assert all(mid.mid[b] is b.up for b in model)  # the middle of norm, up, down
     assert ckpt_offload.stats()["midpoint_misses"] == 0
-    # Later steps still reload from the midpoints (a miss would switch them off and count).
+    # Later forwards: the path leads to the node of up's output in that forward, and autograd
+    # reaches it (one flush a checkpointed layer), so the reloads still start from the midpoints.
+    from ckpt_offload.midpoints import _follow
+
+    ups, outs = {}, {}
+    probes = [b.up.register_forward_hook(lambda m, a, o, b=b: ups.__setitem__(b, o.grad_fn)) for b in model]
+    probes += [b.register_forward_hook(lambda m, a, o: outs.__setitem__(m, o.grad_fn)) for b in model]
+    fired = []
+    real_fire = mid._fire
+    mid._fire = lambda grads: (fired.append(1), real_fire(grads))[1]
+    out = model(x)
+    for p in probes:
+        p.remove()
+    assert all(_follow(outs[b], mid.path[b]) is ups[b] for b in model)
+    fired.clear()
+    out.square().sum().backward()
+    assert len(fired) == len(model)
+    assert ckpt_offload.stats()["midpoint_misses"] == 0 and model._ckpt_offload.session.defer_prefetch
     for _ in range(2):
         model(x).square().sum().backward()
-    state = ckpt_offload.checkpointing_state(model)
-    assert state is not None and ckpt_offload.stats()["midpoint_misses"] == 0
+    assert ckpt_offload.stats()["midpoint_misses"] == 0
     ckpt_offload.disable_checkpointing(model)
     assert not any(c._forward_hooks for b in model for c in b.children())
+
+
+def test_a_forward_that_builds_another_graph_falls_back_to_reloading_from_the_start():
+    # The learned path names each node it passes: a forward whose block takes another branch
+    # does not match it, no midpoint fires there, and the session reloads from the start of each
+    # layer's backward from then on; gradients stay exact.
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.c = nn.Linear(8, 8)
+            self.flip = False
+
+        def forward(self, x):
+            h = self.a(x)
+            h = self.b(h).sin() if self.flip else self.b(h)
+            return self.c(h) + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Branchy() for _ in range(3)))
+    ref = copy.deepcopy(model)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt_offload.reset_stats()
+    model(x).sum().backward()
+    assert ckpt_offload.stats()["midpoint_misses"] == 0
+    for m in (*model, *ref):
+        m.flip = True
+    model.zero_grad()
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert ckpt_offload.stats()["midpoint_misses"] == 1
+    assert not model._ckpt_offload.session.defer_prefetch
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
 def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
@@ -123,5 +180,29 @@ def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
     assert local.untyped_storage()._cdata in expected and len(expected) == 3 * 6 + 2 + 5 + 2
     session = ckpt_offload.OffloadSession()
     session.exclude_module_tensors(model)
-    assert set(session._module_ptrs) == expected
+    assert set(session.root_storages()) == expected
     assert not session._is_candidate(model.norm.running_mean)  # a buffer passed on as an input
+
+
+def test_model_tensors_are_gathered_only_for_a_tensor_that_could_be_one():
+    # An op's fresh output (what a block's forward gets) needs no lookup: the walk over the modules
+    # happens once a forward packs a leaf or a view, and then serves the rest of that forward.
+    model = make(3)
+    model.register_buffer("table", torch.randn(8, 4))
+    session = ckpt_offload.OffloadSession()
+    session.test_cpu = True  # candidates on the CPU, as under CKPT_OFFLOAD_TEST_CPU=1
+    session.exclude_module_tensors(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    hidden = x * 2
+    assert session._is_candidate(hidden)
+    assert session._root_ptrs is None  # not gathered
+    weight = next(model.parameters())
+    assert not session._is_candidate(weight.detach())  # a weight's storage, as a plain leaf
+    assert session._root_ptrs is not None
+    assert not session._is_candidate(model.table[2:])  # a view of a buffer
+    assert not session._is_candidate(model.table)
+    assert session._is_candidate(x) and session._is_candidate(hidden[1:])  # an input and a view of an activation
+    session.exclude_module_tensors(model)  # the next forward gathers anew
+    assert session._root_ptrs is None
+    model.table = torch.randn(8, 4)  # replaced between forwards
+    assert not session._is_candidate(model.table)
