@@ -147,6 +147,8 @@ def _block_run(block, callback, args, kwargs):
         if callback is not None:
             body = functools.partial(_under, callback, body)
         return att.call_block(i, body, args, kwargs)
+    if callback is None and att.options is None:  # eager code, eager body: what _eagerly would run
+        return att._run(i, body, args, kwargs)
     return _eagerly(functools.partial(att._run, i), att.session, callback, att.options is not None, body, args, kwargs)
 
 
@@ -179,6 +181,8 @@ class LayerFunction:
 
 def _layer_run(func, callback, function, args, kwargs):
     att, i = func.attachment, func.index
+    if callback is None and att.options is None:  # eager code, eager body: what _eagerly would run
+        return att._run(i, function, args, kwargs)
     run = functools.partial(att._run, i)
     return _eagerly(run, att.session, callback, att.options is not None, att.layer_body(i, function), args, kwargs)
 

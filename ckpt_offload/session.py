@@ -194,6 +194,9 @@ class OffloadSession:
         # device's backward on one thread, the same for a layer's reload point and its midpoint).
         self._tls = threading.local()
         self.midpoint_misses = 0
+        # hooks()'s two contexts, made once: entering one pushes its hooks, leaving pops them.
+        self._layer_hooks = (_LayerHooks(self, self.pack, self.unpack), _LayerHooks(self, self.pack_kept, self.unpack))
+        self._ahead = (None, 0)  # (graph task, the disk tier's read-ahead then): read once a backward
 
     # -- copies --------------------------------------------------------------------------------
     def __getstate__(self):
@@ -214,8 +217,9 @@ class OffloadSession:
         """Hooks that offload; with keep=True they keep tensors on the device but still mark the
         point where backward reaches them, so the reloads of earlier tensors start there. When the
         context ends (the layer's forward is over), its sources go back to the allocator."""
-        self.next_layer()
-        return _LayerHooks(self, self.pack_kept if keep else self.pack, self.unpack)
+        with self._lock:  # next_layer()
+            self._group += 1
+        return self._layer_hooks[1 if keep else 0]
 
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
@@ -466,10 +470,13 @@ class OffloadSession:
         """Start the reloads backward needs next: records packed before position seq in the same
         forward (see new_forward), nearest first. With a disk tier, the `spill_read_ahead` units
         after those start their reads from disk into host memory, so the reload finds them there."""
-        if self.prefetch <= 0:
+        if self.prefetch <= 0 or not self._refs:  # nothing offloaded
             return
         task = _graph_task_id() if _graph_task_id is not None else -1
-        ahead = _POOL.spill_read_ahead  # 0 without a disk tier
+        ahead = self._ahead[1]
+        if task == -1 or self._ahead[0] != task:
+            ahead = _POOL.spill_read_ahead  # 0 without a disk tier
+            self._ahead = (task, ahead)
         with self._lock:
             seqs, refs = self._seqs, self._refs
             # Drop dead entries at the tail: backward consumes the newest first. A record fetched
