@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -21,14 +22,15 @@ import ckpt_offload  # noqa: E402
 
 # The names below are this script's interface too (tests and bench_bandwidth.py import them from here).
 from benchmarks.budget import evaluate_budget, plan_length, print_budget  # noqa: E402,F401
+from benchmarks.disk_mode import DISK_MODE, add_disk_ratios, plan_disk, print_disk  # noqa: E402,F401
 from benchmarks.hardware import hardware_info  # noqa: E402,F401
 from benchmarks.hf import HF_MODES, run_hf  # noqa: E402,F401
 from benchmarks.lengths import (LENGTH_MODES, add_length_args, finish_length_args, length_schedule,  # noqa: E402,F401
                                 print_lengths, run_lengths)
 from benchmarks.measure import link_peak, measure_mode, run_checks  # noqa: E402
 from benchmarks.model import CONFIGS, Decoder, make_ids  # noqa: E402
-from benchmarks.modes import (BITWISE, MODE_HELP, MODES, apply_mode, attn_supported, compile_blocks,  # noqa: E402,F401
-                               restored_exactly)
+from benchmarks.modes import (BITWISE, EXTRA_MODES, MODE_HELP, MODES, TIMED_APART, apply_mode,  # noqa: E402,F401
+                               attn_supported, compile_blocks, restored_exactly)
 from benchmarks.plots import plot  # noqa: E402
 from benchmarks.report import (CPU_LABEL, OPTIMIZER_NOTE, add_ratios, fmt_bytes, fmt_paired,  # noqa: E402,F401
                                fmt_time_ratio, print_results, print_table, progress_bar)
@@ -39,7 +41,7 @@ from benchmarks.timing import interleaved_timing, mark_noise, run_guarded  # noq
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="modes:\n" + "\n".join(f"  {m:<20} {MODE_HELP[m]}" for m in MODES))
+                                epilog="modes:\n" + "\n".join(f"  {m:<20} {MODE_HELP[m]}" for m in MODES + EXTRA_MODES))
     small, std = CONFIGS["small"], CONFIGS["standard"]
     p.add_argument("--config", choices=sorted(CONFIGS), help="small without a GPU, standard with one (the default "
                    "picks by the GPU); the options below override single fields of it")
@@ -57,8 +59,8 @@ def build_parser():
                    help=f"parameter and activation dtype (small: {small['dtype']}, standard: {std['dtype']})")
     p.add_argument("--no-rope", dest="rope", action="store_false", help="leave out rotary position embeddings")
     p.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated modes to run, in this order; valid: " + ", ".join(MODES) +
-                   " (default: all; see 'modes' below)")
+                   help="comma-separated modes to run, in this order; valid: " + ", ".join(MODES + EXTRA_MODES) +
+                   " (default: all but " + ", ".join(EXTRA_MODES) + "; see 'modes' below)")
     p.add_argument("--keep-last", type=int, default=1,
                    help="checkpointed layers whose inputs stay on the device in the async modes (default 1)")
     p.add_argument("--prefetch", type=int, default=1,
@@ -70,6 +72,10 @@ def build_parser():
     p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
                    help="every mode with every block compiled (block.compile(backend=BACKEND), default inductor), "
                         "modes timed one after another; opt-in on the CPU, where compiling is slow")
+    p.add_argument("--disk", nargs="?", const=tempfile.gettempdir(), metavar="DIR",
+                   help=f"also run {DISK_MODE} (after the others, timed on its own), its spill files in DIR (default: "
+                   f"{tempfile.gettempdir()}, the temporary directory; {DISK_MODE} in --modes uses it too); the "
+                   "output names DIR's device and filesystem")
     p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
     p.add_argument("--budget", type=int, help="device bytes of a step (weights, gradients and inputs included): "
                    "also run the configuration plan_memory chooses for it (mode 'planned') beside the others")
@@ -98,11 +104,19 @@ def parse_args(argv=None):
     finish_length_args(a, p, a.config or ("standard" if a.cuda else "small"))
     a.seq_list = [int(s) for s in a.seqs.split(",")]
     a.mode_list = a.modes.split(",")
-    unknown = set(a.mode_list) - set(MODES)
+    unknown = set(a.mode_list) - set(MODES + EXTRA_MODES)
     if unknown:
-        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES + EXTRA_MODES}")
     if a.compile and a.hf:
         p.error("--compile applies to the decoder stack, not to --hf")
+    if a.disk is not None and a.hf:
+        p.error("--disk runs the decoder stack's disk_offload, not with --hf")
+    if a.disk is not None and DISK_MODE not in a.mode_list:
+        a.mode_list.append(DISK_MODE)
+    if DISK_MODE in a.mode_list:
+        a.disk = a.disk or tempfile.gettempdir()
+        if not os.path.isdir(a.disk):
+            p.error(f"--disk: {a.disk!r} is not a directory")
     if a.budget is not None:
         if a.budget <= 0 or a.hf:
             p.error("--budget takes a positive number of bytes, and not with --hf")
@@ -134,10 +148,15 @@ def run_main(a, device, cuda, bar, t0, result, write):
         runnable = [m for m in a.mode_list if not spent and not (m == "attn_offload" and not attn_supported())]
         bar.set_description(f"timed steps, seq={seq}")
         planning_failed = plan_length(model, ids, a, runnable, seq)
+        planning_failed.update(plan_disk(model, ids, a, runnable, seq, cuda,
+                                         lambda: apply_mode(model, "async_offload", a)))
         if a.compile:  # one mode after another (measure_mode), each from a reset, with its own counts
             timed, failed = {m: None for m in runnable}, {}
         else:
-            timed, failed = interleaved_timing(runnable, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda, seq)
+            together = [m for m in runnable if m not in TIMED_APART]
+            timed, failed = interleaved_timing(together, lambda m: (model, ids, apply_mode(model, m, a)), a, cuda,
+                                               seq) if together else ({}, {})
+            timed.update({m: None for m in runnable if m in TIMED_APART})  # measure_mode times them, each alone
         failed.update(planning_failed)
         ckpt_offload.disable_checkpointing(model)
         model.layer_call = None
@@ -160,6 +179,7 @@ def run_main(a, device, cuda, bar, t0, result, write):
         problems += [f"seq {seq}: {p}" for p in run_checks([r for r in rows if r["seq"] == seq], refs, "none",
                                                            bitwise, cuda, restored)]
         add_ratios(rows)
+        add_disk_ratios(rows)
         mark_noise(rows)
         result.update(rows=rows)
         write()  # partial results survive a timeout
@@ -210,6 +230,7 @@ def main(argv=None):
     title = (f"transformers LlamaForCausalLM (random weights), every_n_layers={a.hf_every}" if a.hf
              else f"decoder stack, {a.layers} layers, hidden {a.hidden}, {a.dtype}")
     print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title, wide=a.wide)
+    print_disk(rows)
     print_lengths(result.get("lengths", []), a, cuda)
     if a.compile:
         print(f"\ntorch.compile ({a.compile}), every block: graphs / graph breaks / graphs compiled in timed steps")

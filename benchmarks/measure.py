@@ -10,7 +10,8 @@ import torch
 import ckpt_offload
 from ckpt_offload.testing import LiveBytes
 
-from .modes import apply_mode, compile_counts, offloaded_layers
+from .disk_mode import DiskSteps, disk_figures, disk_problems
+from .modes import TIMED_APART, apply_mode, compile_counts, offloaded_layers
 from .timelines import timeline_step
 from .timing import one_timed_step, settle, summarize_steps, train_step
 
@@ -119,7 +120,8 @@ def measure(model, ids, mode, ctx, a, cuda, timed=None):
     prof.update(timeline_step(model, ids, ctx, a, mode))  # a timeline of one more step, beside the results
     reserved = ckpt_offload.stats()["host_reserved_bytes"]
     return dict(mode=mode, seq=ids.shape[1], loss=float(ref[0]), **{**summarize_steps(timed), "host_reserved_bytes": reserved},
-                act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof, **compiled), ref
+                act_device_bytes=act, live_peak_bytes=live_peak, act_host_bytes=host, **prof, **compiled,
+                **disk_figures(timed)), ref
 
 
 def measure_mode(model, ids, mode, a, cuda, timed=None):
@@ -128,13 +130,21 @@ def measure_mode(model, ids, mode, a, cuda, timed=None):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
     ctx = apply_mode(model, mode, a)
-    row, ref = measure(model, ids, mode, ctx, a, cuda, timed)
+    try:
+        row, ref = measure(model, ids, mode, ctx, a, cuda, timed)
+    finally:
+        if isinstance(ctx, DiskSteps):  # each step's backward gives them back; a failed backward may not have
+            ctx.close()
     row["base_bytes"] = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(), ids)) \
         + sum(p.numel() * p.element_size() for p in model.parameters())  # weights, buffers, inputs, gradients
     if mode == "planned":
         row.update(plan_modes=a.plan.modes, predicted_peak_bytes=a.plan.predicted_peak_bytes,
                    predicted_step_ms=a.plan.predicted_step_ms, predicted_host_bytes=a.plan.predicted_host_bytes)
     row["offloaded_layers"] = offloaded_layers(model, mode)
+    if mode in TIMED_APART:
+        row["timed_apart"] = True
+    if isinstance(ctx, DiskSteps):
+        row.update(ctx.describe(), disk_left_behind=ctx.left_behind())
     ckpt_offload.disable_checkpointing(model)
     model.layer_call = None
     return row, ref
@@ -168,6 +178,7 @@ def run_checks(rows, refs, base, bitwise_pairs, cuda, restored):
         other = bitwise_pairs.get(mode)
         if other in refs and (err := compare(refs[other], ref, cuda, True)):
             problems.append(f"{mode} vs {other} (bitwise): {err}")
+    problems += disk_problems(rows)
     for r in rows:
         if r.get("error", "").startswith("failed"):
             problems.append(f"{r['mode']}@{r['seq']}: {r['error']}")

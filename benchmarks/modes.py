@@ -10,15 +10,23 @@ import torch.utils.checkpoint as tuc
 
 import ckpt_offload
 
+from .disk_mode import DISK_MODE, DiskSteps
+
 
 MODES = ["none", "full", "every2", "every4", "sync_offload", "async_offload", "every2_async", "offload_activations",
          "attn_offload"]
+# Opt-in modes, not in the default list: disk_offload writes files (bench_step --disk [DIR]).
+EXTRA_MODES = [DISK_MODE]
+# Modes timed on their own after the round-robin: disk_offload's cap returns the pool's free blocks down
+# to it, so the next step of any other offload mode would pin them again (host allocations in its timed
+# steps, about half a second per GiB on a GPU) if the modes took turns.
+TIMED_APART = [DISK_MODE]
 
 
 # Modes whose gradients must equal another mode's bit for bit (same kernels, values only moved;
 # attn_offload: the attention outputs of the forward instead of recomputed ones, the same bits).
 BITWISE = {"sync_offload": "full", "async_offload": "full", "every2_async": "every2", "offload_activations": "none",
-           "attn_offload": "full"}
+           "attn_offload": "full", DISK_MODE: "full"}
 MODE_HELP = {
     "none": "no checkpointing",
     "full": "every block checkpointed",
@@ -30,6 +38,8 @@ MODE_HELP = {
     "offload_activations": "no checkpointing, every saved activation offloaded (ckpt_offload.offload_activations)",
     "attn_offload": "full checkpointing, inputs and attention outputs offloaded (policy=\"attention\"): "
                     "attention is not recomputed",
+    DISK_MODE: "async_offload with the host pool capped at half of what the step offloads and a disk tier "
+               "(host_pool().set_spill_dir) in --disk DIR: about half of the offloaded bytes go to files; opt-in",
 }
 
 
@@ -44,11 +54,13 @@ def apply_mode(model, mode, a):
     """Puts the model in `mode`; returns a factory of the context each forward runs in."""
     ckpt_offload.disable_checkpointing(model)
     model.layer_call = None
-    every = {"full": 1, "every2": 2, "every4": 4, "async_offload": 1, "every2_async": 2, "attn_offload": 1}.get(mode)
+    every = {"full": 1, "every2": 2, "every4": 4, "async_offload": 1, "every2_async": 2, "attn_offload": 1,
+             DISK_MODE: 1}.get(mode)
     if every is not None:
         # attn_offload: every block checkpointed with its input and its attention outputs offloaded.
         attn = mode == "attn_offload"
-        ckpt_offload.enable_checkpointing(model, every_n_layers=every, offload="async" in mode or attn,
+        ckpt_offload.enable_checkpointing(model, every_n_layers=every,
+                                          offload="async" in mode or attn or mode == DISK_MODE,
                                           keep_last=a.keep_last, prefetch=a.prefetch, layers=list(model.layers),
                                           policy="attention" if attn else None)
     elif mode == "sync_offload":
@@ -57,6 +69,8 @@ def apply_mode(model, mode, a):
         return lambda: ckpt_offload.offload_activations(min_bytes=a.min_bytes)
     elif mode == "planned":  # --budget: the plan run_main made for this length
         a.plan.apply(model)
+    if mode == DISK_MODE:  # the cap disk_mode.plan_disk measured for this length, the tier in --disk DIR
+        return DiskSteps(model, a.disk, a.disk_probe)
     return contextlib.nullcontext
 
 

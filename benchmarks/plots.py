@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .hf import HF_MODES
-from .modes import MODES
+from .modes import EXTRA_MODES, MODES
 from .report import CPU_LABEL
 
 
@@ -20,7 +20,7 @@ def plot(rows, a, out_dir, prefix, base):
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "step_ms_median" in r]
-    modes = [m for m in MODES + HF_MODES if any(r["mode"] == m for r in rows)]
+    modes = [m for m in MODES + EXTRA_MODES + HF_MODES if any(r["mode"] == m for r in rows)]
     files = []
 
     def save(fig, name):

@@ -76,11 +76,14 @@ def one_timed_step(model, ids, ctx, cuda):
     ms = timed_step(model, ids, ctx, cuda)
     settle(cuda)
     s = ckpt_offload.stats()
+    # A context factory that keeps figures of its own per step (disk_offload's: its disk tier lives for
+    # the step only, so stats() has its counts no more) hands over those of the step that just ran.
+    own = getattr(ctx, "step_figures", None)
     return dict(ms=ms, host_alloc_calls=s["host_alloc_calls"], host_free_calls=s["host_free_calls"],
                 bytes_offloaded=s["bytes_offloaded"], bytes_prefetched=s["bytes_prefetched"],
                 host_reserved_bytes=s["host_reserved_bytes"], host_peak_bytes=s["host_peak_bytes"],
                 peak_device_bytes=torch.cuda.max_memory_allocated() if cuda else None, base_device_bytes=base,
-                tensors_kept_on_device=s["tensors_kept_on_device"])
+                tensors_kept_on_device=s["tensors_kept_on_device"], disk=own() if own else None)
 
 
 def summarize_steps(steps):
@@ -144,7 +147,8 @@ def mark_noise(rows, base_mode="full"):
     for seq in {r["seq"] for r in rows}:
         base = next((r for r in rows if r["seq"] == seq and r["mode"] == base_mode and "step_ms_all" in r), None)
         for r in rows:
-            if base is None or r["seq"] != seq or "step_ms_all" not in r:
+            # A mode timed apart from the round-robin (modes.TIMED_APART) has no rounds to pair.
+            if base is None or r["seq"] != seq or "step_ms_all" not in r or r.get("timed_apart"):
                 continue
             pairs = [x / y for x, y in zip(r["step_ms_all"], base["step_ms_all"])]
             if len(pairs) == len(base["step_ms_all"]) and pairs:

@@ -4,8 +4,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -196,6 +198,49 @@ def test_bench_step_hf_runs_on_the_cpu(outputs):
     result = json.load(open(out / "hf" / "bench_step_hf.json"))
     assert result["problems"] == []
     assert {r["mode"] for r in result["rows"] if "step_ms_median" in r} == set(bench_step.HF_MODES)
+
+
+def test_bench_step_disk_offload_spills_about_half_bitwise_and_puts_the_pool_back(tmp_path, monkeypatch, capsys):
+    # In this process, so that the pool can be looked at after the run: a cap of its own set before
+    # must be the cap after, with no disk tier and nothing left in the spill directory.
+    import ckpt_offload
+
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")  # bench_step sets it without a GPU; undone after the test
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    pool = ckpt_offload.host_pool()
+    threads = torch.get_num_threads()
+    pool.set_capacity(64 * MiB)
+    try:
+        rc = bench_step.main(["--config", "small", "--modes", "full,async_offload", "--disk", str(spill),
+                              "--warmup", "1", "--steps", "3", "--lengths", "off", "--no-timeline",
+                              "--out", str(tmp_path / "out")])
+        assert pool.stats()["capacity_bytes"] == 64 * MiB
+    finally:
+        pool.set_capacity(0)
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert os.listdir(spill) == [] and pool.spill_dir is None and pool.spill_stats()["io_mode"] is None
+    result = json.load(open(tmp_path / "out" / "bench_step.json"))
+    assert result["problems"] == [] and result["config"]["mode_list"] == ["full", "async_offload", "disk_offload"]
+    rows = {r["mode"]: r for r in result["rows"]}
+    d, a = rows["disk_offload"], rows["async_offload"]
+    # Bitwise against full (bench_step's check, which passed): the check step's loss too.
+    assert bench_step.BITWISE["disk_offload"] == "full" and d["loss"] == rows["full"]["loss"]
+    # The cap comes from what the async_offload step offloads (3 of 4 layers, one 2x64x64 fp32 input each),
+    # half of it rounded up to whole blocks; some of the offloaded bytes went to disk, not all of them.
+    assert d["probe_bytes_offloaded"] == a["bytes_offloaded_per_step"] == d["bytes_offloaded_per_step"] == 3 * 32768
+    assert d["pool_cap_bytes"] == 2 * ckpt_offload.HostPool.round_size(32768)
+    assert 0 < d["bytes_spilled_per_step"] < d["bytes_offloaded_per_step"]
+    assert d["tensors_read_back_per_step"] == d["tensors_spilled_per_step"] and d["disk_files_after_step"] == 0
+    assert d["host_alloc_calls_timed"] == 0 and d["disk_left_behind"] == [] and d["timed_apart"]
+    assert d["time_vs_async_offload"] == pytest.approx(d["step_ms_median"] / a["step_ms_median"])
+    assert d["spill_root"] == os.path.realpath(spill) and d["spill_fstype"] != "unknown"
+    assert f"spill directory {os.path.realpath(spill)} on {d['spill_device']} ({d['spill_fstype']}" in out
+    # Opt-in: not among the default modes, and --modes takes it with the temporary directory.
+    assert "disk_offload" not in bench_step.parse_args([]).mode_list
+    assert bench_step.parse_args(["--modes", "full,disk_offload"]).disk == tempfile.gettempdir()
 
 
 def test_bench_bandwidth_runs_on_the_cpu(outputs):
