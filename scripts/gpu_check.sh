@@ -2,7 +2,8 @@
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
 # extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
 # runs under `timeout`; the stage limits add up to TOTAL_S (default 480 s, 8 minutes), 60 s of them
-# for the step benchmark with every block compiled, 50 s for the --budget run, 25 s for the host-overhead run.
+# for the step benchmark with every block compiled, 50 s for the --budget run, 13 s for the disk tier's
+# step, 25 s for the host-overhead run.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
@@ -217,6 +218,21 @@ if hf:
            for r in hf["rows"]])
     print("checks:", ("; ".join(hf["problems"]) or "passed") if "problems" in hf
           else "INCOMPLETE: the script did not finish (see hf.log)")
+disk = load("disk/bench_step.json")
+if disk:
+    rows = [r for r in disk["rows"] if r["mode"] == "disk_offload"]
+    if rows:
+        r0 = rows[0]
+        print(f"\ndisk tier: spill directory on {r0.get('spill_device')} ({r0.get('spill_fstype')}), "
+              f"{r0.get('disk_io_mode')}")
+    table(["seq", "ms", "t/async", "cap MiB", "spilled MiB/step", "read waits", "GB/s w/r"],
+          [[r["seq"], f"{r['step_ms_median']:.1f}", ratio(r.get("time_vs_async_offload")),
+            f"{r['pool_cap_bytes'] / 2**20:.1f}", f"{r['bytes_spilled_per_step'] / 2**20:.1f}",
+            r["disk_read_waits_timed"], f"{r.get('disk_write_gb_per_s') or 0:.2f}/{r.get('disk_read_gb_per_s') or 0:.2f}"]
+           if "step_ms_median" in r else [r["seq"], r.get("skipped") or r.get("error"), "", "", "", "", ""]
+           for r in rows])
+    print("checks:", ("; ".join(disk["problems"]) or "passed") if "problems" in disk
+          else "INCOMPLETE: the script did not finish (see disk.log)")
 host = load("host/bench_host.json")
 if host:
     print(f"\nhost time per step of tiny models ({host['timing']}), median of {host['config']['rounds']} rounds")
@@ -260,12 +276,17 @@ stage bandwidth 25 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
 # Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included, then a
 # varying-length pass (lengths 2048..8192 padded to 64, drawn per step): no host allocation after
 # the longest step.
-stage step 125 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 90 \
+stage step 112 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 80 \
   --lengths 2048:8192 --length-steps 12 --out "$OUT/step"
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
 stage step_compile 60 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \
   --budget-s 45 --no-timeline --out "$OUT/step_compile"
 stage budget 50 budget_run
+# The disk tier under a host cap of half of what async_offload's step offloads, files on this
+# machine's disk (the output names its device and filesystem), against async_offload.
+mkdir -p "$OUT/spill"
+stage disk 13 "$PY" benchmarks/bench_step.py --config standard --layers 4 --seqs 4096 --steps 3 \
+  --modes full,async_offload --disk "$OUT/spill" --no-timeline --out "$OUT/disk"
 stage hf 30 "$PY" benchmarks/bench_step.py --hf --config standard --layers 4 --seqs 4096 --steps 3 --out "$OUT/hf"
 # Host time per step of tiny models, every mode beside what it replaces: host-bound or not, targets.
 stage host 25 "$PY" benchmarks/bench_host.py --rounds 11 --out "$OUT/host"

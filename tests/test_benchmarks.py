@@ -132,6 +132,10 @@ def outputs(tmp_path_factory):
             # gpu_check.sh's budget lies between two peaks of the step run; any budget that fits will do here.
             "budget": ["benchmarks/bench_step.py", "--config", "small", "--modes", "none,every2,async_offload",
                        "--budget", str(1 << 30), "--lengths", "off"]}
+    # The disk tier's step (gpu_check.sh's disk stage), its files under the output folder.
+    (out / "spill").mkdir()
+    runs["disk"] = ["benchmarks/bench_step.py", "--config", "small", "--modes", "full,async_offload", "--disk",
+                    str(out / "spill"), "--no-timeline", "--lengths", "off"]
     try:
         import transformers  # noqa: F401
         runs["hf"] = ["benchmarks/bench_step.py", "--hf", "--config", "small"]
@@ -268,6 +272,8 @@ def test_gpu_check_summary_reads_what_the_benchmarks_write(outputs):
     if "hf" in procs:
         assert "transformers LlamaForCausalLM" in p.stdout
     assert "every block compiled (aot_eager)" in p.stdout
+    assert "disk tier: spill directory on" in p.stdout
+    assert not os.listdir(out / "spill")  # every spill file gone with its run
 
 
 def test_record_results_files_a_run_with_its_summary(outputs, tmp_path):
