@@ -8,6 +8,8 @@ import threading
 import torch
 import torch.utils._pytree
 
+from . import engine as _engine
+
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -37,6 +39,7 @@ class Midpoints:
         session.defer_prefetch = True  # reload points wait for the midpoints from now on
         self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
         self.path = {}  # block -> how its midpoint's node is reached from its output's (see _path_to)
+        self._walks = {}  # block -> its path as a _C.NodePath, which follows it in one call
         self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
         self.handles = []
         self._child_hooks = {}  # block -> [(child, handle)]: all until the midpoint is known, then its own
@@ -49,11 +52,13 @@ class Midpoints:
     def __getstate__(self):
         state = dict(self.__dict__)
         del state["_tls"]  # this thread's forward in progress: not a copy's
+        del state["_walks"]  # made again from path
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._tls = threading.local()
+        self._walks = {}
 
     @staticmethod
     def usable(blocks) -> bool:
@@ -108,7 +113,10 @@ class Midpoints:
             # learned: no module hook runs, in the forward or in the recompute.
             if out is None or _off(self.session) or _in_backward() or not torch.is_grad_enabled():
                 return
-            node = _follow(_grad_node(out), path)
+            walk = self._walks.get(block)
+            if walk is None:
+                walk = self._walks[block] = _engine._C.NodePath(path)
+            node = walk.follow(_grad_node(out))
             if node is not None:
                 node.register_prehook(self._fire)
             return  # not found (another branch taken): the next reload point falls back (see _reload_point)
@@ -194,17 +202,3 @@ def _path_to(start, target):
             todo.append(nxt)
     return None
 
-
-def _follow(node, path):
-    """The node path leads to from node; None when a step is missing or names another node (this
-    forward built a different graph)."""
-    for k, name in path:
-        if node is None:
-            return None
-        nxt = node.next_functions
-        if k >= len(nxt):
-            return None
-        node = nxt[k][0]
-        if node is None or node.name() != name:
-            return None
-    return node

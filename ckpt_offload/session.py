@@ -26,6 +26,7 @@ from .midpoints import _graph_task_id
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _POOL = _engine.host_pool()  # the process-wide pool (the one engine_for's engines share) and its disk tier
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_storage_key = _engine._C.storage_key  # a storage's address, as UntypedStorage._cdata and StorageWeakRef.cdata
 
 
 def test_cpu_enabled() -> bool:
@@ -42,7 +43,7 @@ class _Record:
         "counter", "version", "users", "left", "task", "__weakref__",
     )
 
-    def __init__(self, handle, engine, seq, group, storage_offset, counter, version):
+    def __init__(self, handle, engine, seq, group, storage_offset, version):
         self.handle = handle
         self.engine = engine
         self.nbytes = handle.nbytes
@@ -52,7 +53,8 @@ class _Record:
         self.read_ahead = False  # a read from the disk tier was asked for (it does nothing on host)
         self.tensor = None
         self.storage_offset = storage_offset
-        self.counter = counter  # the source's version counter, and its value when offloaded
+        # The source's version counter (the handle reads it: .value), and its value when offloaded.
+        self.counter = handle
         self.version = version
         self.users = 0  # the packs attached to this copy (views of one range share it)
         self.left = 0  # of those, how many this backward has still to unpack while tensor is held
@@ -175,7 +177,10 @@ class OffloadSession:
         self._refs: list = []  # weakrefs to the records, aligned with _seqs
         self._next_seq = 0
         self._compact_at = 64
-        self._by_storage: dict = {}  # StorageWeakRef -> [(weakref(record), start, end, dtype)]
+        # storage_key -> [(weakref(record), start, end, dtype)]: a live record's handle holds its
+        # storage weakly, so no other storage takes that key while an entry can match.
+        self._by_storage: dict = {}
+        self._prune_at = 256
         self._forward_starts: list[int] = []  # pack position where each forward began, ascending
         self._deferred: list = []  # keep-last queue of _Packed still holding their tensor
         self._engines = {}
@@ -261,14 +266,14 @@ class OffloadSession:
             # while the copy still reads it. Looked up per view: FSDP2 registers its unsharded
             # parameters after the module hooks have noted the sharded ones.
             return False
-        if self._module_ptrs and t.untyped_storage()._cdata in self._module_ptrs:
+        if self._module_ptrs and _storage_key(t) in self._module_ptrs:
             return False
         if self._root is not None and (base is not None or t.grad_fn is None):
             # A module's weight or buffer given positionally (a buffer, a detach()ed weight, a view of
             # either). An op's fresh output (a grad_fn, no base: the hidden states a block gets) has a
             # storage of its own and needs no lookup, so the model's tensors are gathered only when
             # a forward first packs something else.
-            if t.untyped_storage()._cdata in self.root_storages():
+            if _storage_key(t) in self.root_storages():
                 return False
         return True
 
@@ -311,39 +316,42 @@ class OffloadSession:
         return base.as_strided(size, stride, base.storage_offset() + delta)
 
     # -- offload -------------------------------------------------------------------------------
-    def _engine_for(self, device):
-        eng = self._engines.get(device)
+    def _engine_for(self, t):
+        index = t.get_device()  # -1: the CPU
+        eng = self._engines.get(index)
         if eng is None:
-            eng = self._engines[device] = _engine.engine_for(device)
+            eng = self._engines[index] = _engine.engine_for(t.device)
         return eng
 
     def _send(self, packed):
         t = packed.kept
-        ref = StorageWeakRef(t.untyped_storage())
+        key = _storage_key(t)  # the storage's identity while a record of it lives (its handle holds it)
         start = t.storage_offset()
         if t.is_contiguous():
             end = start + t.numel()
         else:
             end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
         version = packed.version
-        counter = _engine._C.VersionCounter(t)
-        with self._lock:
-            # A view of a range already on its way: share that copy instead of moving it twice,
-            # unless either side was written since (the copy would be stale).
-            for rec_ref, r_start, r_end, r_dtype in self._by_storage.get(ref, ()):
-                rec = rec_ref()
-                if (
-                    rec is not None
-                    and r_dtype == t.dtype
-                    and rec.version == version
-                    and rec.counter.value == rec.version
-                    and r_start <= start
-                    and end <= r_end
-                ):
-                    _engine.count("shared_views")
-                    _attach(packed, rec, counter, view=True)
-                    self._move_locked(rec, packed.seq, packed.group)
-                    return
+        entries = self._by_storage.get(key)
+        if entries:
+            with self._lock:
+                # A view of a range already on its way: share that copy instead of moving it twice,
+                # unless either side was written since (the copy would be stale).
+                for rec_ref, r_start, r_end, r_dtype in entries:
+                    rec = rec_ref()
+                    if (
+                        rec is not None
+                        and r_dtype == t.dtype
+                        and rec.version == version
+                        and rec.counter.value == rec.version
+                        and r_start <= start
+                        and end <= r_end
+                    ):
+                        _engine.count("shared_views")
+                        # Its own counter: a tensor sharing the storage need not share the version.
+                        _attach(packed, rec, _engine._C.VersionCounter(t), view=True)
+                        self._move_locked(rec, packed.seq, packed.group)
+                        return
         src = t
         if end - start > t.numel():
             # Gaps between elements (q, k, v split from one projection): when the whole storage is
@@ -353,7 +361,7 @@ class OffloadSession:
             if storage_elems * t.element_size() <= 4 * t.numel() * t.element_size():
                 src = t.detach().as_strided((storage_elems,), (1,), 0)
                 start, end = 0, storage_elems
-        eng = sender = self._engine_for(t.device)
+        eng = sender = self._engine_for(t)
         if _timeline.enabled or _autograd_profiler._is_profiler_enabled:  # named for a profiler or a timeline
             sender = _timeline.NamedEngine(eng, self, packed.group)
         stream = packed.stream
@@ -366,22 +374,24 @@ class OffloadSession:
             _engine.count("tensors_kept_on_device")
             _warn_refused(eng)
             return  # stays on the device
+        seq = packed.seq
+        rec = _Record(handle, eng, seq, packed.group, start, version)
+        rec_ref = weakref.ref(rec)
         with self._lock:
-            seq = packed.seq
-            rec = _Record(handle, eng, seq, packed.group, start, counter, version)
-            rec_ref = weakref.ref(rec)
             self._seqs.append(seq)
             self._refs.append(rec_ref)
             if len(self._refs) >= self._compact_at:
                 self._compact()
             if not handle.compacted:
-                entries = self._by_storage.setdefault(ref, [])
-                if entries:  # a storage that outlives its graphs (an input fed every step) keeps one list
+                entries = self._by_storage.get(key)
+                if entries is None:
+                    self._by_storage[key] = [(rec_ref, start, end, t.dtype)]
+                    if len(self._by_storage) > self._prune_at:
+                        self._prune_storages()
+                else:  # a storage that outlives its graphs (an input fed every step) keeps one list
                     entries[:] = [e for e in entries if e[0]() is not None]
-                entries.append((rec_ref, start, end, t.dtype))
-                if len(self._by_storage) > max(256, 2 * len(self._refs)):
-                    self._prune_storages()
-        _attach(packed, rec, counter, view=src is not t)
+                    entries.append((rec_ref, start, end, t.dtype))
+        _attach(packed, rec, handle, view=src is not t)
 
     def _move_locked(self, rec, seq, group):
         """A later pack shares rec's copy: backward needs it first there, so it is reloaded with
@@ -407,8 +417,11 @@ class OffloadSession:
         self._compact_at = max(64, 2 * len(self._refs))
 
     def _prune_storages(self):
-        for key in [k for k in self._by_storage if k.expired()]:
-            del self._by_storage[key]
+        # A key whose records are all gone: its storage's address may belong to another by now.
+        by = self._by_storage
+        for key in [k for k, entries in by.items() if all(e[0]() is None for e in entries)]:
+            del by[key]
+        self._prune_at = max(256, 2 * len(by))
 
     # -- reload --------------------------------------------------------------------------------
     def _load(self, rec, packed):

@@ -1,4 +1,6 @@
 // Python bindings of ckpt_offload._C: argument checks here, work in host_pool.cpp and copy_engine.cpp.
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -131,6 +133,48 @@ at::Tensor block_tensor(const std::shared_ptr<HostBlock>& block) {
       at::TensorOptions().dtype(at::kByte));
 }
 
+template <typename Ptr>
+torch::autograd::Node* raw_node(const Ptr& p) {
+  if constexpr (requires { p.lock(); }) {
+    return p.lock().get();  // older torch: a weak reference (the graph owns the node)
+  } else {
+    return p.get();
+  }
+}
+
+// The autograd node behind a grad_fn object (a built-in node's or a custom Function's), or null.
+torch::autograd::Node* node_of(PyObject* obj) {
+  if (torch::autograd::THPCppFunction_Check(obj)) {
+    return raw_node(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata);
+  }
+  if (THPFunction_Check(obj)) return raw_node(reinterpret_cast<THPFunction*>(obj)->cdata);
+  return nullptr;
+}
+
+// A path through an autograd graph, from a block's output node to its midpoint's: at each step the
+// next_functions entry taken and the name of the node it leads to (see midpoints.py).
+struct NodePath {
+  std::vector<std::pair<size_t, std::string>> steps;
+
+  // The node the path leads to from `start`, or None where a step is missing or names another
+  // node (that forward built a different graph). One call in place of a next_functions tuple per step.
+  py::object follow(py::handle start) const {
+    torch::autograd::Node* node = node_of(start.ptr());
+    if (node == nullptr) return py::none();
+    if (steps.empty()) return py::reinterpret_borrow<py::object>(start);
+    const torch::autograd::Edge* edge = nullptr;
+    for (const auto& [k, name] : steps) {
+      if (k >= node->next_edges().size()) return py::none();
+      edge = &node->next_edge(k);
+      if (!edge->function || edge->function->name() != name) return py::none();
+      node = edge->function.get();
+    }
+    PyObject* obj = torch::autograd::functionToPyObject(edge->function);
+    if (obj == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(obj);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -210,6 +254,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<c10::VariableVersion>(m, "VersionCounter")
       .def(py::init([](const at::Tensor& t) { return torch::autograd::impl::version_counter(t); }), py::arg("tensor"))
       .def_property_readonly("value", &c10::VariableVersion::current_version);
+
+  // A storage's identity as an integer (its StorageImpl's address, as UntypedStorage._cdata): stable
+  // while something holds the storage, even weakly (an OffloadHandle does).
+  m.def(
+      "storage_key",
+      [](const at::Tensor& t) -> intptr_t {
+        return t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
+      },
+      py::arg("tensor"));
+
+  py::class_<NodePath>(m, "NodePath", "A path through an autograd graph: ((next_functions index, node name), ...)")
+      .def(py::init([](std::vector<std::pair<size_t, std::string>> steps) { return NodePath{std::move(steps)}; }),
+           py::arg("steps"))
+      .def("follow", &NodePath::follow, py::arg("node"),
+           "The grad_fn the path leads to from node (a grad_fn), or None where the graph differs");
 
   py::class_<HostBlock, std::shared_ptr<HostBlock>>(m, "HostBlock",
                                                     "A pool block; its memory returns to the pool when the last "
@@ -353,6 +412,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device", [](const OffloadHandle& h) { return h.device(); })
       .def_property_readonly("compacted", &OffloadHandle::compacted)
       .def_property_readonly("id", &OffloadHandle::id, "Serial number, named by hazard errors of the simulated runtime")
+      .def_property_readonly("value", &OffloadHandle::source_version,
+                             "The offloaded tensor's version counter, read now (as VersionCounter.value)")
       .def("host_bytes", [](OffloadHandle& h) -> py::object {
         at::Tensor t;
         {

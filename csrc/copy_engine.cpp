@@ -226,6 +226,8 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   h->device_ = tensor.device();
   h->sizes_ = tensor.sizes().vec();
   h->strides_ = tensor.strides().vec();
+  h->version_ = tensor.unsafeGetTensorImpl()->version_counter();
+  if (tensor.has_storage()) h->storage_.emplace(tensor.storage().getWeakStorageImpl());
 
   at::Tensor src = tensor;
   int64_t span = span_elems(tensor);

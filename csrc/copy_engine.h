@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "host_pool.h"
@@ -64,6 +65,9 @@ class OffloadHandle {
   bool compacted() const { return compacted_; }
   // A process-wide serial number: what errors (the simulated runtime's hazards) name.
   uint64_t id() const { return id_; }
+  // The offloaded tensor's version counter, read now (0 where it has none): saved-tensor hooks
+  // switch autograd's in-place check off, and the session redoes it with this.
+  uint32_t source_version() const { return version_.enabled() ? version_.current_version() : 0; }
   // The host copy as a uint8 CPU tensor (None-like undefined tensor when not on host), once the
   // copy to the host has completed (a host wait). Testing aid.
   at::Tensor host_bytes();
@@ -74,6 +78,10 @@ class OffloadHandle {
 
   std::shared_ptr<CopyEngine> engine_;
   const uint64_t id_;
+  c10::VariableVersion version_;  // the offloaded tensor's (shared with its views)
+  // Its storage, weakly: while the handle lives, no other storage can take that storage's address,
+  // the key (storage_key) the session finds copies of the same storage by.
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_;
   at::ScalarType dtype_ = at::kByte;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::vector<int64_t> sizes_, strides_;

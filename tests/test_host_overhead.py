@@ -97,7 +97,7 @@ def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
     assert ckpt_offload.stats()["midpoint_misses"] == 0
     # Later forwards: the path leads to the node of up's output in that forward, and autograd
     # reaches it (one flush a checkpointed layer), so the reloads still start from the midpoints.
-    from ckpt_offload.midpoints import _follow
+    from ckpt_offload.engine import _C
 
     ups, outs = {}, {}
     probes = [b.up.register_forward_hook(lambda m, a, o, b=b: ups.__setitem__(b, o.grad_fn)) for b in model]
@@ -108,7 +108,7 @@ def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
     out = model(x)
     for p in probes:
         p.remove()
-    assert all(_follow(outs[b], mid.path[b]) is ups[b] for b in model)
+    assert all(_C.NodePath(mid.path[b]).follow(outs[b]) is ups[b] for b in model)
     fired.clear()
     out.square().sum().backward()
     assert len(fired) == len(model)
@@ -206,3 +206,30 @@ def test_model_tensors_are_gathered_only_for_a_tensor_that_could_be_one():
     assert session._root_ptrs is None
     model.table = torch.randn(8, 4)  # replaced between forwards
     assert not session._is_candidate(model.table)
+
+
+def test_node_path_follows_built_in_and_custom_function_nodes_and_refuses_another_graph():
+    from ckpt_offload.engine import _C
+
+    class Triple(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 3
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    z = Triple.apply(y.sin()).cos()
+    path = ((0, "TripleBackward"), (0, "SinBackward0"), (0, "MulBackward0"))
+    assert _C.NodePath(path).follow(z.grad_fn) is y.grad_fn
+    assert _C.NodePath(path[:1]).follow(z.grad_fn) is z.grad_fn.next_functions[0][0]  # a custom Function's node
+    assert _C.NodePath(path[1:]).follow(z.grad_fn.next_functions[0][0]) is y.grad_fn  # from one
+    assert _C.NodePath(()).follow(z.grad_fn) is z.grad_fn
+    assert _C.NodePath(((0, "SinBackward0"),)).follow(z.grad_fn) is None  # another node's name
+    assert _C.NodePath(((3, "TripleBackward"),)).follow(z.grad_fn) is None  # no such input
+    assert _C.NodePath(path).follow(None) is None and _C.NodePath(path).follow(x) is None  # no node
+    leaf = _C.NodePath(path + ((0, "torch::autograd::AccumulateGrad"),)).follow(z.grad_fn)
+    assert leaf is not None and leaf.variable is x  # down to the leaf's accumulator
