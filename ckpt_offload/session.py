@@ -27,6 +27,8 @@ _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _POOL = _engine.host_pool()  # the process-wide pool (the one engine_for's engines share) and its disk tier
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _storage_key = _engine._C.storage_key  # a storage's address, as UntypedStorage._cdata and StorageWeakRef.cdata
+_storage_span = _engine._C.storage_span  # (storage_key, first element, one past the last)
+_offload_size = _engine._C.offload_size
 
 
 def test_cpu_enabled() -> bool:
@@ -252,12 +254,10 @@ class OffloadSession:
             # Around a whole forward, a leaf that needs grad is a weight held elsewhere: copying it
             # frees nothing. A checkpoint's own positional inputs are always offloaded.
             return False
-        if not t.is_cuda and not (self.test_cpu and t.is_cpu):
-            return False
-        if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
-            return False
-        nbytes = t.nbytes
-        if nbytes == 0 or nbytes < self.min_bytes:
+        # A dense strided tensor with data on a CUDA device (or the CPU under the test switch), not
+        # nested, quantized or a lazy conjugate or negative view: its bytes; else -1.
+        nbytes = _offload_size(t, self.test_cpu)
+        if nbytes <= 0 or nbytes < self.min_bytes:
             return False
         base = t._base
         if base is not None and (isinstance(base, torch.nn.Parameter) or type(base) is not torch.Tensor):
@@ -325,12 +325,9 @@ class OffloadSession:
 
     def _send(self, packed):
         t = packed.kept
-        key = _storage_key(t)  # the storage's identity while a record of it lives (its handle holds it)
-        start = t.storage_offset()
-        if t.is_contiguous():
-            end = start + t.numel()
-        else:
-            end = start + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        # The storage's identity while a record of it lives (its handle holds it), and the element
+        # range the tensor covers in it.
+        key, start, end = _storage_span(t)
         version = packed.version
         entries = self._by_storage.get(key)
         if entries:

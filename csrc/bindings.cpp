@@ -264,6 +264,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("tensor"));
 
+  // The per-tensor checks of an offload candidate in one call: its bytes when it is a dense strided
+  // tensor with data (not nested, quantized, or a lazy conjugate or negative view) on a CUDA device,
+  // or on the CPU where allow_cpu; else -1.
+  m.def(
+      "offload_size",
+      [](const at::Tensor& t, bool allow_cpu) -> int64_t {
+        if (!(t.is_cuda() || (allow_cpu && t.is_cpu()))) return -1;
+        if (t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_conj() || t.is_neg()) return -1;
+        if (!t.has_storage()) return -1;
+        return static_cast<int64_t>(t.nbytes());
+      },
+      py::arg("tensor"), py::arg("allow_cpu"));
+  // (storage_key, first element, one past the last element) of the storage range a tensor covers.
+  m.def(
+      "storage_span",
+      [](const at::Tensor& t) {
+        const int64_t start = t.storage_offset();
+        int64_t end = start + 1;
+        if (t.numel() == 0) {
+          end = start;
+        } else {
+          for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
+        }
+        const intptr_t key = t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
+        return py::make_tuple(key, start, end);
+      },
+      py::arg("tensor"));
+
   py::class_<NodePath>(m, "NodePath", "A path through an autograd graph: ((next_functions index, node name), ...)")
       .def(py::init([](std::vector<std::pair<size_t, std::string>> steps) { return NodePath{std::move(steps)}; }),
            py::arg("steps"))
