@@ -233,3 +233,28 @@ def test_node_path_follows_built_in_and_custom_function_nodes_and_refuses_anothe
     assert _C.NodePath(path).follow(None) is None and _C.NodePath(path).follow(x) is None  # no node
     leaf = _C.NodePath(path + ((0, "torch::autograd::AccumulateGrad"),)).follow(z.grad_fn)
     assert leaf is not None and leaf.variable is x  # down to the leaf's accumulator
+
+
+def test_an_offloaded_storage_keeps_its_key_while_the_handle_lives():
+    # Records are found by storage_key (the storage's address): the handle holds the storage weakly,
+    # so no new storage takes that address while a record of the old one can match (PITFALLS 21: a
+    # reused address must never share a stale copy). Once the handle goes, the address is free again.
+    from ckpt_offload.engine import _C
+
+    eng = ckpt_offload.engine_for("cpu")
+    x = torch.randn(16)
+    key = _C.storage_key(x)
+    assert key == x.untyped_storage()._cdata
+    handle = eng.offload(x)
+    assert handle.value == x._version
+    x.add_(1)
+    assert handle.value == x._version == 1  # the source's counter, read now
+    eng.synchronize()
+    del x
+    seen = set()
+    for _ in range(2000):  # same-sized storages: the allocator would hand the freed one out first
+        seen.add(_C.storage_key(torch.randn(16)))
+    assert key not in seen
+    del handle
+    kept = [torch.randn(16) for _ in range(2000)]
+    assert key in {_C.storage_key(t) for t in kept}  # free again: the weak reference was what held it
