@@ -154,7 +154,7 @@ def _block_run(block, callback, args, kwargs):
 
 def block_eager_boundary(block, args, kwargs):
     # Not traced (recursive=False keeps the caller's torch.compile callback installed, to read it
-    # here); what it calls runs eagerly (see ckpt_offload.compile.eager_boundary).
+    # here); what it calls runs eagerly (_block_run, itself torch.compiler.disable'd).
     return _EAGER[2](block, _current_callback(), args, kwargs)
 
 

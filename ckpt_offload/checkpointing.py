@@ -116,15 +116,6 @@ def _in_checkpoint() -> bool:
 _TORCH_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 
 
-def checkpoint_function(session, keep=False, **checkpoint_kwargs):
-    """A `_gradient_checkpointing_func` for transformers layers: checkpoints through `session`."""
-
-    def func(function, *args, **kwargs):
-        return run_checkpoint(session, function, args, {**checkpoint_kwargs, **kwargs}, keep)
-
-    return func
-
-
 def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, session=None, **kwargs):
     """Drop-in for torch.utils.checkpoint.checkpoint (non-reentrant only).
 

@@ -5,7 +5,6 @@ Tiny models built from configs; nothing comes from a hub."""
 import copy
 import functools
 import io
-import pickle
 import warnings
 
 import pytest

@@ -57,7 +57,6 @@ def test_no_entry_point_leaves_respect_saved_tensors_hooks_open_under_active_hoo
     from functools import partial
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from ckpt_offload import checkpointing, compile as ckcompile
     from tiny_gpt import loss_of, make_batch, make_model
 
     calls = _record_checkpoint_calls(monkeypatch)
@@ -77,9 +76,6 @@ def test_no_entry_point_leaves_respect_saved_tensors_hooks_open_under_active_hoo
         ckpt_offload.checkpoint(fn, x, w, respect_saved_tensors_hooks=True),
         ckpt_offload.checkpoint(fn, x, w, session=ckpt_offload.OffloadSession()),
         ckpt_offload.checkpoint(preserve_rng_state=False)(fn)(x, w),
-        checkpointing.checkpoint_function(ckpt_offload.OffloadSession())(fn, x, w),  # transformers' layers
-        checkpointing.checkpoint_function(ckpt_offload.OffloadSession(), keep=True)(fn, x, w),
-        ckcompile.layer_checkpoint_function(ckpt_offload.OffloadSession())(fn, x, w),
     ]
     with torch.autograd.graph.save_on_cpu():  # a user's hooks around the plain drop-in
         outs.append(ckpt_offload.checkpoint(fn, x, w, offload=False))
@@ -93,7 +89,7 @@ def test_no_entry_point_leaves_respect_saved_tensors_hooks_open_under_active_hoo
     ckpt_offload.enable_block_modes(model, ["checkpoint+offload", "checkpoint", "checkpoint+offload+attention"])
     loss_of(model, make_batch()).backward()
     under_hooks = [respect for active, respect in calls if active]
-    assert len(under_hooks) >= 13, calls  # every call above (with its recompute-free forward) was seen
+    assert len(under_hooks) >= 10, calls  # every call above (with its recompute-free forward) was seen
     assert all(isinstance(r, bool) for r in under_hooks), calls
 
 
@@ -150,7 +146,7 @@ def _host_in_use():
 
 @pytest.mark.parametrize("how", ["backward", "autograd.grad"])
 def test_a_retained_graph_keeps_its_inputs_on_the_host_and_reloads_them_with_prefetch(monkeypatch, how):
-    from tiny_gpt import grads, loss_of, make_batch, make_model
+    from tiny_gpt import loss_of, make_batch, make_model
 
     live_reloads = _watch_reloads(monkeypatch)
     ids = make_batch(seq=S)
