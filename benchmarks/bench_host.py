@@ -71,6 +71,16 @@ MODE_HELP = {
     "hf.enable(offload=True)": "ckpt_offload.integrations.hf.enable(model, offload=True, keep_last=1)",
     "hf.enable(offload=False)": "ckpt_offload.integrations.hf.enable(model, offload=False)",
 }
+# --breakdown: enable(offload=True) with parts of it switched off through the attachment's internals
+# (diagnostics, not configurations a user picks), to tell where its host time goes.
+BREAKDOWN = {
+    "enable(no midpoints)": "enable(offload=True) with the midpoints removed: each layer's reloads start where its "
+                            "backward starts",
+    "enable(nothing moved)": "enable(offload=True) with min_bytes above every tensor: the session's hooks and "
+                             "bookkeeping, nothing copied",
+    "enable(neither)": "both: the session's hooks around torch's checkpoint, no midpoints, nothing copied",
+}
+MODE_HELP.update(BREAKDOWN)
 # The targets: (group, mode, host time over the group's reference at most).
 TARGETS = [("checkpoint", "enable(offload=True)", 1.05), ("checkpoint", "enable(offload=False)", 1.02),
            ("hf", "hf.enable(offload=True)", 1.05), ("no_checkpoint", "offload_activations", 1.10)]
@@ -104,6 +114,16 @@ def stack_mode(model, mode):
     elif mode == "torch_sac(attention)":
         context = _sac_attention()
         model.layer_call = lambda block, x: tuc.checkpoint(block, x, use_reentrant=False, context_fn=context)
+    elif mode in BREAKDOWN:
+        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, layers=list(model.layers))
+        att = ckpt_offload.attachment.find(model)
+        if mode != "enable(nothing moved)":
+            att.handles.remove(att.midpoints)
+            att.midpoints.remove()
+            att.midpoints = None
+            att.session.defer_prefetch = False
+        if mode != "enable(no midpoints)":
+            att.session.min_bytes = 1 << 62
     elif mode.startswith("enable("):
         ckpt_offload.enable_checkpointing(model, offload=mode != "enable(offload=False)", keep_last=1,
                                           layers=list(model.layers),
@@ -135,6 +155,7 @@ def build(a, device):
     bases = {}
     for group in a.group_list:
         kind, _, modes = GROUPS[group]
+        modes = modes + (list(BREAKDOWN) if a.breakdown and group == "checkpoint" else [])
         if kind == "llama":
             support, note = hf_support()
             if support is None:
@@ -234,6 +255,9 @@ def build_parser():
     p.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     p.add_argument("--groups", default=",".join(GROUPS),
                    help="comma-separated groups to run: " + ", ".join(GROUPS) + " (default: all)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time enable(offload=True) without midpoints, without copies and without either in the "
+                        "checkpoint group: where its host time goes (see the modes below)")
     p.add_argument("--profile", metavar="GROUP:MODE",
                    help="also profile that mode with cProfile after the timed rounds (e.g. checkpoint:enable(offload=True))")
     p.add_argument("--profile-steps", type=int, default=20, help="steps of the --profile run (default 20)")
@@ -254,6 +278,10 @@ def parse_args(argv=None):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = [f"{g}:{m}" for g in a.group_list for m in GROUPS[g][2]]
+    if a.breakdown:
+        if "checkpoint" not in a.group_list:
+            p.error("--breakdown adds modes to the checkpoint group, which --groups leaves out")
+        keys += [f"checkpoint:{m}" for m in BREAKDOWN]
     if a.profile is not None and a.profile not in keys:
         p.error(f"--profile: {a.profile!r} is not a GROUP:MODE of the groups run: {keys}")
     a.cuda = torch.cuda.is_available() and ckpt_offload.build_info()["cuda_usable"]

@@ -53,6 +53,26 @@ def test_bench_host_runs_every_mode_and_reports_the_targets(tmp_path):
     assert "tottime" in result["profile"]
 
 
+def test_breakdown_switches_off_what_each_of_its_modes_names(tmp_path):
+    # --breakdown's diagnostic modes: no midpoints still moves every input but the last; nothing
+    # moved and neither move nothing; gradients are the benchmark's own check (no problems reported).
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)
+    cmd = [sys.executable, "benchmarks/bench_host.py", "--groups", "checkpoint", "--breakdown", "--rounds", "2",
+           "--warmup", "1", "--layers", "4", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(tmp_path / "bench_host.json"))
+    assert result["problems"] == []
+    moved = {r["mode"]: r["tensors_offloaded_per_step"] for r in result["rows"]}
+    assert moved["enable(no midpoints)"] == moved["enable(offload=True)"] == 3
+    assert moved["enable(nothing moved)"] == moved["enable(neither)"] == 0
+    assert all(m in p.stdout for m in bench_host.BREAKDOWN)
+    bad = subprocess.run(cmd[:2] + ["--groups", "hf", "--breakdown"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--breakdown" in bad.stderr
+
+
 def row(group, mode, times, device=None):
     return dict(group=group, mode=mode, host_ms=dict(median=sorted(times)[len(times) // 2], min=min(times),
                                                      max=max(times)),
