@@ -27,7 +27,7 @@ _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _POOL = _engine.host_pool()  # the process-wide pool (the one engine_for's engines share) and its disk tier
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _storage_key = _engine._C.storage_key  # a storage's address, as UntypedStorage._cdata and StorageWeakRef.cdata
-_storage_span = _engine._C.storage_span  # (storage_key, first element, one past the last)
+_storage_span = _engine._C.storage_span  # (storage_key, first element, one past the last, elements)
 _offload_size = _engine._C.offload_size
 
 
@@ -327,10 +327,12 @@ class OffloadSession:
         t = packed.kept
         # The storage's identity while a record of it lives (its handle holds it), and the element
         # range the tensor covers in it.
-        key, start, end = _storage_span(t)
+        key, start, end, numel = _storage_span(t)
         version = packed.version
         entries = self._by_storage.get(key)
-        if entries:
+        # One dead entry: the address of a storage whose records are gone, now another's (the
+        # allocator reuses addresses at once): nothing to share.
+        if entries is not None and (len(entries) > 1 or entries[0][0]() is not None):
             with self._lock:
                 # A view of a range already on its way: share that copy instead of moving it twice,
                 # unless either side was written since (the copy would be stale).
@@ -350,7 +352,7 @@ class OffloadSession:
                         self._move_locked(rec, packed.seq, packed.group)
                         return
         src = t
-        if end - start > t.numel():
+        if end - start > numel:
             # Gaps between elements (q, k, v split from one projection): when the whole storage is
             # not much larger, move it once and view every slice from it, instead of compacting
             # each slice on the device first.
@@ -381,9 +383,9 @@ class OffloadSession:
                 self._compact()
             if not handle.compacted:
                 entries = self._by_storage.get(key)
-                if entries is None:
+                if entries is None or (len(entries) == 1 and entries[0][0]() is None):
                     self._by_storage[key] = [(rec_ref, start, end, t.dtype)]
-                    if len(self._by_storage) > self._prune_at:
+                    if entries is None and len(self._by_storage) > self._prune_at:
                         self._prune_storages()
                 else:  # a storage that outlives its graphs (an input fed every step) keeps one list
                     entries[:] = [e for e in entries if e[0]() is not None]

@@ -276,7 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return static_cast<int64_t>(t.nbytes());
       },
       py::arg("tensor"), py::arg("allow_cpu"));
-  // (storage_key, first element, one past the last element) of the storage range a tensor covers.
+  // (storage_key, first element, one past the last element, elements) of the storage range a tensor
+  // covers: a span longer than the elements has gaps (a strided slice).
   m.def(
       "storage_span",
       [](const at::Tensor& t) {
@@ -288,7 +289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
         }
         const intptr_t key = t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
-        return py::make_tuple(key, start, end);
+        return py::make_tuple(key, start, end, t.numel());
       },
       py::arg("tensor"));
 
