@@ -336,7 +336,7 @@ class Attachment:
         offloads = any(m.startswith("checkpoint+offload") for m in self.modes)
         self.session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloads else None
         # "offload" blocks: their tensors come back when their own backward starts (no midpoints).
-        self.whole = OffloadSession(prefetch=1) if "offload" in self.modes else None
+        self.whole = OffloadSession(prefetch=1, sees_weights=True) if "offload" in self.modes else None
         self.saved = []  # [(module, name, value before)]: what install() changed, for restore()
         self.handles = []  # hook handles and Midpoints
         self.midpoints = None  # the Midpoints among handles: the blocks' forwards tell it where they are

@@ -37,17 +37,23 @@ class Midpoints:
     def __init__(self, session, blocks):
         self.session = session
         session.defer_prefetch = True  # reload points wait for the midpoints from now on
-        self.mid = {}  # block -> its midpoint child, once the first forward has shown the order
+        # block -> the name of its midpoint child, once a forward has shown the order: names, not
+        # modules, so DataParallel's replica children (which share these hooks) are not kept alive.
+        self.mid = {}
         self.path = {}  # block -> how its midpoint's node is reached from its output's (see _path_to)
         self._walks = {}  # block -> its path as a _C.NodePath, which follows it in one call
-        self._tls = threading.local()  # .calls: {block: [(child, node)]}; .armed: set of blocks
+        self.relearned = {}  # block -> how often a forward's graph did not match its path
+        self._tls = threading.local()  # .calls: {block: [(name, node)]}; .armed: set of blocks
         self.handles = []
-        self._child_hooks = {}  # block -> [(child, handle)]: all until the midpoint is known, then its own
+        self._child_hooks = {}  # block -> [(name, handle)]: all while learning, then none (or the midpoint's)
         for b in blocks:
-            hooks = self._child_hooks[b] = []
-            for c in b.children():
-                hooks.append((c, c.register_forward_hook(functools.partial(self._child_post, b))))
-                self.handles.append(hooks[-1][1])
+            self._hook_children(b)
+
+    def _hook_children(self, block):
+        hooks = self._child_hooks[block] = []
+        for name, c in block.named_children():
+            hooks.append((name, c.register_forward_hook(functools.partial(self._child_post, block, name))))
+            self.handles.append(hooks[-1][1])
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -90,16 +96,16 @@ class Midpoints:
         else:
             tls.calls[block] = []
 
-    def _child_post(self, block, child, args, out):
+    def _child_post(self, block, name, child, args, out):
         if _off(self.session) or _in_backward() or not torch.is_grad_enabled():
             return
         tls = self._state()
-        if block in tls.calls:  # this thread's forward is learning the order (first forward)
-            tls.calls[block].append((child, _grad_node(out)))
+        if block in tls.calls:  # this thread's forward is learning the order
+            tls.calls[block].append((name, _grad_node(out)))
         elif block in self.mid:
             # The midpoint's first call only: a child called twice (one dropout module for both
             # branches) would otherwise also fire at the start of the backward.
-            if child is self.mid[block] and block in tls.armed:
+            if name == self.mid[block] and block in tls.armed:
                 tls.armed.discard(block)
                 node = _grad_node(out)
                 if node is not None:
@@ -109,17 +115,20 @@ class Midpoints:
         """block's forward ended with out (None: it raised), the checkpoint around it included."""
         path = self.path.get(block)
         if path is not None:
-            # The midpoint's node, found from the block's output by the path the first forward
-            # learned: no module hook runs, in the forward or in the recompute.
+            # The midpoint's node, found from the block's output by the path a forward learned:
+            # no module hook runs, in the forward or in the recompute.
             if out is None or _off(self.session) or _in_backward() or not torch.is_grad_enabled():
                 return
             walk = self._walks.get(block)
             if walk is None:
                 walk = self._walks[block] = _engine._C.NodePath(path)
-            node = walk.follow(_grad_node(out))
+            start = _grad_node(out)
+            node = walk.follow(start)
+            if node is None:
+                node = self._mismatch(block, start)
             if node is not None:
                 node.register_prehook(self._fire)
-            return  # not found (another branch taken): the next reload point falls back (see _reload_point)
+            return
         if _off(self.session) or _in_backward():
             return
         tls = self._state()
@@ -147,9 +156,24 @@ class Midpoints:
         # From now on the midpoint's node is found by its path from the output, or else through
         # the midpoint child's hook: the other children's hooks go, once per block (a module with
         # no hooks runs torch's fast call path, in the forward and in the recompute).
-        for child, handle in self._child_hooks.pop(block, ()):
-            if path is not None or child is not order[i]:
+        for name, handle in self._child_hooks.pop(block, ()):
+            if path is not None or name != order[i]:
                 handle.remove()
+
+    def _mismatch(self, block, start):
+        """This forward's graph does not match block's path (another branch taken, autocast switched
+        on): its reloads start where its backward starts (the hook goes on its output's node, so
+        no reload point goes unflushed), and the next forward learns the order and the path anew,
+        up to _RELEARN times a block; after that the block keeps reloading from its start."""
+        n = self.relearned[block] = self.relearned.get(block, 0) + 1
+        if n <= _RELEARN:
+            del self.path[block], self.mid[block]
+            self._walks.pop(block, None)
+            self._hook_children(block)
+        else:
+            self.path[block] = ()  # its own output's node from now on
+            self._walks.pop(block, None)
+        return start
 
     def _fire(self, grad_outputs):
         # Autograd reached the midpoint's node: start the reloads this layer's backward deferred.
@@ -173,6 +197,7 @@ def _grad_node(out):
 
 
 _SEARCH = 4096  # nodes a path search looks at, at most (once per block)
+_RELEARN = 2  # forwards whose graph did not match a block's path, that send it back to learning
 
 
 def _path_to(start, target):

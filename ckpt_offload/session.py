@@ -156,13 +156,20 @@ class OffloadSession:
     stay on the device (backward needs them first). prefetch / prefetch_bytes: how many offloaded
     layers (prefetch_unit="layer": hooks() contexts, one per checkpoint call, with every tensor it
     saved) or tensors (prefetch_unit="tensor"), or bytes, to have on their way back ahead of need.
+    sees_weights: the hooks see what ops save inside a block, not only a checkpoint's inputs, so
+    every candidate is looked up among the model's parameters and buffers (whole-block offload).
     """
 
     def __init__(self, *, min_bytes=0, keep_last=0, prefetch=1, prefetch_bytes=None, track_modules=False,
-                 prefetch_unit="layer"):
+                 prefetch_unit="layer", sees_weights=False):
         _check_int("OffloadSession", "min_bytes", min_bytes, 0)
         _check_prefetch("OffloadSession", prefetch, prefetch_bytes, keep_last)
         _check_bool("OffloadSession", "track_modules", track_modules)
+        _check_bool("OffloadSession", "sees_weights", sees_weights)
+        # Its hooks see what ops save inside a block (whole-block offload), weights among them: every
+        # candidate is looked up among the model's tensors, also an op's output (torch.func's
+        # functional_call registers computed weights), not only leaves and views.
+        self.sees_weights = sees_weights
         if prefetch_unit not in ("layer", "tensor"):
             raise ValueError(f"OffloadSession: prefetch_unit must be 'layer' or 'tensor', got {prefetch_unit!r}")
         # "layer": prefetch counts hooks() contexts (one per checkpoint call), however many tensors
@@ -190,7 +197,7 @@ class OffloadSession:
         # The weak reference keeps the storage object's address from going to another storage; a
         # data pointer would not (FSDP2 frees unsharded weights, and activations get the memory).
         self._module_ptrs: dict = {}  # the modules noted while tracking (offload_activations)
-        self._root = None  # the model whose forward this is (exclude_module_tensors)
+        self._root = None  # weakref to the model whose forward this is (exclude_module_tensors)
         self._root_ptrs = None  # its tensors' storages, the same mapping, once looked up in this forward
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         self._track_modules = track_modules
@@ -211,7 +218,8 @@ class OffloadSession:
         same settings and nothing in flight: records, engines and locks belong to this one."""
         return {"min_bytes": self.min_bytes, "keep_last": self.keep_last, "prefetch": self.prefetch,
                 "prefetch_bytes": self.prefetch_bytes, "track_modules": self._track_modules,
-                "prefetch_unit": self.prefetch_unit, "defer_prefetch": self.defer_prefetch}
+                "prefetch_unit": self.prefetch_unit, "sees_weights": self.sees_weights,
+                "defer_prefetch": self.defer_prefetch}
 
     def __setstate__(self, state):
         state = dict(state)
@@ -268,7 +276,8 @@ class OffloadSession:
             return False
         if self._module_ptrs and _storage_key(t) in self._module_ptrs:
             return False
-        if self._root is not None and (base is not None or t.grad_fn is None):
+        if self._root is not None and (base is not None or t.grad_fn is None or self.sees_weights
+                                       or self._root_ptrs is not None):
             # A module's weight or buffer given positionally (a buffer, a detach()ed weight, a view of
             # either). An op's fresh output (a grad_fn, no base: the hidden states a block gets) has a
             # storage of its own and needs no lookup, so the model's tensors are gathered only when
@@ -332,7 +341,7 @@ class OffloadSession:
         entries = self._by_storage.get(key)
         # One dead entry: the address of a storage whose records are gone, now another's (the
         # allocator reuses addresses at once): nothing to share.
-        if entries is not None and (len(entries) > 1 or entries[0][0]() is not None):
+        if entries and (len(entries) > 1 or entries[0][0]() is not None):
             with self._lock:
                 # A view of a range already on its way: share that copy instead of moving it twice,
                 # unless either side was written since (the copy would be stale).
@@ -560,7 +569,7 @@ class OffloadSession:
         before each forward of the model: it also starts a new forward (see new_forward). The
         storages are gathered when that forward first needs them (root_storages)."""
         self.new_forward()
-        self._root = model
+        self._root = weakref.ref(model)  # weakly: a DataParallel replica runs this hook too, and must go with its step
         self._root_ptrs = None
 
     def root_storages(self) -> dict:
@@ -572,7 +581,7 @@ class OffloadSession:
         refs = {}
         # model.parameters() and model.buffers() in one walk over the modules (model.modules()
         # re-yields each module through every generator above it: thousands of calls a step).
-        todo, seen = [self._root], set()
+        todo, seen = [self._root()], set()
         while todo:
             m = todo.pop()
             if m is None or id(m) in seen:

@@ -133,13 +133,19 @@ at::Tensor block_tensor(const std::shared_ptr<HostBlock>& block) {
       at::TensorOptions().dtype(at::kByte));
 }
 
-template <typename Ptr>
-torch::autograd::Node* raw_node(const Ptr& p) {
-  if constexpr (requires { p.lock(); }) {
-    return p.lock().get();  // older torch: a weak reference (the graph owns the node)
-  } else {
-    return p.get();
-  }
+// The node a grad_fn object points to: a shared_ptr or a weak_ptr (torch up to 2.13, where the
+// graph owns the node) or an intrusive_ptr (2.14). Overloads, not `requires`: C++17 builds too.
+template <typename T>
+torch::autograd::Node* raw_node(const std::shared_ptr<T>& p) {
+  return p.get();
+}
+template <typename T>
+torch::autograd::Node* raw_node(const std::weak_ptr<T>& p) {
+  return p.lock().get();
+}
+template <typename T>
+torch::autograd::Node* raw_node(const c10::intrusive_ptr<T>& p) {
+  return p.get();
 }
 
 // The autograd node behind a grad_fn object (a built-in node's or a custom Function's), or null.

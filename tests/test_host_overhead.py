@@ -93,7 +93,7 @@ def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
     ckpt_offload.reset_stats()
     model(x).square().sum().backward()
     assert all(hooked(b) == [] and not b._forward_hooks and not b._forward_pre_hooks for b in model)
-    assert all(mid.mid[b] is b.up for b in model)  # the middle of norm, up, down
+    assert all(mid.mid[b] == "up" for b in model)  # the middle of norm, up, down
     assert ckpt_offload.stats()["midpoint_misses"] == 0
     # Later forwards: the path leads to the node of up's output in that forward, and autograd
     # reaches it (one flush a checkpointed layer), so the reloads still start from the midpoints.
@@ -120,10 +120,11 @@ def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
     assert not any(c._forward_hooks for b in model for c in b.children())
 
 
-def test_a_forward_that_builds_another_graph_falls_back_to_reloading_from_the_start():
-    # The learned path names each node it passes: a forward whose block takes another branch
-    # does not match it, no midpoint fires there, and the session reloads from the start of each
-    # layer's backward from then on; gradients stay exact.
+def test_a_forward_that_builds_another_graph_reloads_from_its_start_and_learns_again():
+    # The learned path names each node it passes: a forward whose block takes another branch does
+    # not match it. That forward's reloads start where each such block's backward starts (no
+    # midpoint goes unfired, nothing is switched off), the next forward learns the new order and
+    # path, and its midpoints fire again; gradients stay exact throughout.
     class Branchy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -141,18 +142,70 @@ def test_a_forward_that_builds_another_graph_falls_back_to_reloading_from_the_st
     model = nn.Sequential(*(Branchy() for _ in range(3)))
     ref = copy.deepcopy(model)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    mid = model._ckpt_offload.midpoints
+    fired = []
+    real_fire = mid._fire
+    mid._fire = lambda grads: (fired.append(1), real_fire(grads))[1]
     x = torch.randn(4, 8, requires_grad=True)
     ckpt_offload.reset_stats()
     model(x).sum().backward()
-    assert ckpt_offload.stats()["midpoint_misses"] == 0
+    first = dict(mid.path)
+    assert len(first) == 3 and all(mid.mid[b] == "b" for b in model)
     for m in (*model, *ref):
         m.flip = True
-    model.zero_grad()
-    model(x).sum().backward()
-    ref(x).sum().backward()
-    assert ckpt_offload.stats()["midpoint_misses"] == 1
-    assert not model._ckpt_offload.session.defer_prefetch
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    for step in range(3):
+        model.zero_grad()
+        ref.zero_grad()
+        fired.clear()
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        assert len(fired) == len(model)  # every checkpointed block's hook fired
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        if step == 0:  # mismatched: hooked at each block's output, the order to be learned again
+            assert not mid.path and all(mid.relearned[b] == 1 for b in model)
+            assert all([n for n, c in b.named_children() if c._forward_hooks] == ["a", "b", "c"] for b in model)
+        else:  # learned again: a path through the sin, no module hook left
+            assert all(mid.path[b] != first[b] for b in model) and all(mid.relearned[b] == 1 for b in model)
+            assert not any(c._forward_hooks for b in model for c in b.children())
+    assert ckpt_offload.stats()["midpoint_misses"] == 0 and model._ckpt_offload.session.defer_prefetch
+
+
+def test_a_block_whose_graph_keeps_changing_settles_on_reloading_from_its_start():
+    # A graph that alternates every forward never keeps a path: after _RELEARN fresh learnings the
+    # block's hook stays on its output's node (its reloads start where its backward starts), with no
+    # module hook and no miss; the gradients stay exact.
+    from ckpt_offload.midpoints import _RELEARN
+
+    class Alternating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.c = nn.Linear(8, 8)
+            self.flip = False  # set per step: the recompute must build the forward's graph
+
+        def forward(self, x):
+            h = self.b(self.a(x))
+            return self.c(h.sin() if self.flip else h) + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Alternating() for _ in range(3)))
+    ref = copy.deepcopy(model)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    mid = model._ckpt_offload.midpoints
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt_offload.reset_stats()
+    for step in range(2 * _RELEARN + 4):
+        for m in (*model, *ref):
+            m.flip = step % 2 == 1
+        model.zero_grad()
+        ref.zero_grad()
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(mid.relearned[b] == _RELEARN + 1 and mid.path[b] == () for b in model)
+    assert not any(c._forward_hooks for b in model for c in b.children())
+    assert ckpt_offload.stats()["midpoint_misses"] == 0 and model._ckpt_offload.session.defer_prefetch
 
 
 def test_the_model_tensors_excluded_are_those_of_parameters_and_buffers():
@@ -258,3 +311,72 @@ def test_an_offloaded_storage_keeps_its_key_while_the_handle_lives():
     del handle
     kept = [torch.randn(16) for _ in range(2000)]
     assert key in {_C.storage_key(t) for t in kept}  # free again: the weak reference was what held it
+
+
+def test_replicas_made_each_step_do_not_outlive_their_step():
+    # What torch.nn.parallel.replicate does, on the CPU: every module copied with
+    # _replicate_for_data_parallel (hooks and the attachment's slots shared), its parameters replaced
+    # by non-leaf copies. The session notes a replica's model and the midpoints learn from replica
+    # children, so neither may hold them past their step.
+    import gc
+    import weakref
+
+    def replicate(root):
+        copies = {m: m._replicate_for_data_parallel() for m in root.modules()}
+        for m, r in copies.items():
+            r._modules = {k: copies[c] for k, c in m._modules.items()}
+            for k, p in m._parameters.items():
+                object.__setattr__(r, k, p * 1)  # Broadcast's output: a non-leaf copy
+        return copies[root]
+
+    model = make()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    ckpt_offload.reset_stats()
+    alive = []
+    for _ in range(3):
+        rep = replicate(model)
+        refs = [weakref.ref(m) for m in rep.modules()]
+        rep(torch.randn(2, 8, 32, requires_grad=True)).square().sum().backward()
+        del rep
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+    assert alive == [0, 0, 0]
+    assert ckpt_offload.stats()["tensors_offloaded"] == 3 * 3 and ckpt_offload.stats()["midpoint_misses"] == 0
+
+
+def test_whole_block_offload_never_copies_weights_registered_by_functional_call():
+    # Mode "offload" sees what ops save inside the block, weights among them; under
+    # torch.func.functional_call with computed (non-leaf) weights those are ops' outputs, still
+    # the model's tensors: looked up, never copied. Only the activations move.
+    from torch.func import functional_call
+
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 32)
+            self.norm = nn.LayerNorm(32)
+            self.scale = nn.Parameter(torch.ones(32))
+
+        def forward(self, x):  # layer_norm first: it saves its weight before anything asks for a lookup
+            return self.a(self.norm(x) * self.scale)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Normed(), Normed())
+    ref = copy.deepcopy(model)
+    ckpt_offload.enable_block_modes(model, ["offload", "offload"])
+    x0 = torch.randn(16, 32)
+    x = x0.requires_grad_() * 1.0  # an op's output too: nothing asks for a lookup first
+    params = {k: v * 1.0 for k, v in model.named_parameters()}  # an inner step's weights: non-leaf
+    weights = {v.untyped_storage()._cdata for v in params.values()}
+    moved = []
+    real = ckpt_offload.OffloadSession._send
+    ckpt_offload.OffloadSession._send = lambda self, p: (moved.append(p.kept.untyped_storage()._cdata), real(self, p))[1]
+    try:
+        out = functional_call(model, params, (x,))
+    finally:
+        ckpt_offload.OffloadSession._send = real
+    assert moved and not weights & set(moved)
+    out.sum().backward()
+    functional_call(ref, {k: v * 1.0 for k, v in ref.named_parameters()}, (x0 * 1.0,)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -64,7 +64,7 @@ def test_midpoint_is_the_child_halfway_through_the_forward():
     loss_of(model, make_batch()).backward()
     (midpoints,) = [h for h in model._ckpt_offload.handles if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Children in forward order: ln1, qkv, proj, dropout (attention branch), ln2, fc1, fc2.
-    assert all(midpoints.mid[b] is b.dropout for b in model.blocks)
+    assert all(midpoints.mid[b] == "dropout" for b in model.blocks)
     ckpt_offload.disable_checkpointing(model)
     assert all(not b._forward_hooks and not b._forward_pre_hooks for b in model.blocks)
     assert all(not c._forward_hooks for b in model.blocks for c in b.children())
@@ -179,7 +179,7 @@ def test_midpoint_skips_children_without_a_gradient():
         assert ckpt_offload.stats()["reloads_on_demand"] == 0
     (midpoints,) = [h for h in model._ckpt_offload.handles if isinstance(h, ckpt_offload.midpoints.Midpoints)]
     # Forward order norm, middle, attn, mlp: the middle carries no gradient; attn is as near the halfway point.
-    assert all(midpoints.mid[b] is b.attn for b in model)
+    assert all(midpoints.mid[b] == "attn" for b in model)
 
 
 def test_a_midpoint_that_never_fires_falls_back_to_reloading_from_the_start():
