@@ -120,29 +120,37 @@ def test_no_child_keeps_a_hook_once_the_midpoint_is_learned():
     assert not any(c._forward_hooks for b in model for c in b.children())
 
 
+class Branchy(nn.Module):
+    """Three children; with flip set (per step: a recompute must build its forward's graph) a sin
+    follows the middle one, so the path from the output to the midpoint passes another node."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.flip = False
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        return self.c(h.sin() if self.flip else h) + x
+
+
+def branchy_stack():
+    """Three Branchy blocks checkpointed with offload, an untouched copy, and the midpoints."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Branchy() for _ in range(3)))
+    ref = copy.deepcopy(model)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    return model, ref, model._ckpt_offload.midpoints
+
+
 def test_a_forward_that_builds_another_graph_reloads_from_its_start_and_learns_again():
     # The learned path names each node it passes: a forward whose block takes another branch does
     # not match it. That forward's reloads start where each such block's backward starts (no
     # midpoint goes unfired, nothing is switched off), the next forward learns the new order and
     # path, and its midpoints fire again; gradients stay exact throughout.
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(8, 8)
-            self.b = nn.Linear(8, 8)
-            self.c = nn.Linear(8, 8)
-            self.flip = False
-
-        def forward(self, x):
-            h = self.a(x)
-            h = self.b(h).sin() if self.flip else self.b(h)
-            return self.c(h) + x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(Branchy() for _ in range(3)))
-    ref = copy.deepcopy(model)
-    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    mid = model._ckpt_offload.midpoints
+    model, ref, mid = branchy_stack()
     fired = []
     real_fire = mid._fire
     mid._fire = lambda grads: (fired.append(1), real_fire(grads))[1]
@@ -176,23 +184,7 @@ def test_a_block_whose_graph_keeps_changing_settles_on_reloading_from_its_start(
     # module hook and no miss; the gradients stay exact.
     from ckpt_offload.midpoints import _RELEARN
 
-    class Alternating(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(8, 8)
-            self.b = nn.Linear(8, 8)
-            self.c = nn.Linear(8, 8)
-            self.flip = False  # set per step: the recompute must build the forward's graph
-
-        def forward(self, x):
-            h = self.b(self.a(x))
-            return self.c(h.sin() if self.flip else h) + x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(Alternating() for _ in range(3)))
-    ref = copy.deepcopy(model)
-    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
-    mid = model._ckpt_offload.midpoints
+    model, ref, mid = branchy_stack()
     x = torch.randn(4, 8, requires_grad=True)
     ckpt_offload.reset_stats()
     for step in range(2 * _RELEARN + 4):
