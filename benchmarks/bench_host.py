@@ -29,7 +29,7 @@ if not __package__:  # run as a script: find the benchmarks package beside it
         sys.path.append(_ROOT)
 
 import ckpt_offload  # noqa: E402
-from benchmarks.hardware import hardware_info  # noqa: E402
+from benchmarks.hardware import hardware_info, select_device  # noqa: E402
 from benchmarks.hf import HFLoss, build_hf_model, hf_support  # noqa: E402
 from benchmarks.model import Decoder, make_ids  # noqa: E402
 from benchmarks.modes import sync_offload_call  # noqa: E402
@@ -291,10 +291,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     cuda = a.cuda
-    if not cuda:
-        os.environ["CKPT_OFFLOAD_TEST_CPU"] = "1"  # read when a session is created: CPU tensors use the pool
-        torch.set_num_threads(1)  # tiny tensors; extra threads only spin against other processes
-    device = torch.device("cuda" if cuda else "cpu")
+    device = select_device(cuda)
     t0 = time.monotonic()
     prepared, layers, notes = build(a, device)
     # What exists now lives for the whole run: out of the collector's sight, so that a full collection

@@ -23,7 +23,7 @@ import ckpt_offload  # noqa: E402
 # The names below are this script's interface too (tests and bench_bandwidth.py import them from here).
 from benchmarks.budget import evaluate_budget, plan_length, print_budget  # noqa: E402,F401
 from benchmarks.disk_mode import DISK_MODE, add_disk_ratios, plan_disk, print_disk  # noqa: E402,F401
-from benchmarks.hardware import hardware_info  # noqa: E402,F401
+from benchmarks.hardware import hardware_info, select_device  # noqa: E402,F401
 from benchmarks.hf import HF_MODES, run_hf  # noqa: E402,F401
 from benchmarks.lengths import (LENGTH_MODES, add_length_args, finish_length_args, length_schedule,  # noqa: E402,F401
                                 print_lengths, run_lengths)
@@ -189,10 +189,7 @@ def run_main(a, device, cuda, bar, t0, result, write):
 def main(argv=None):
     a = parse_args(argv)
     cuda = a.cuda
-    if not cuda:
-        os.environ["CKPT_OFFLOAD_TEST_CPU"] = "1"  # read when a session is created: CPU tensors use the pool
-        torch.set_num_threads(1)  # tiny tensors; extra threads only spin against other processes
-    device = torch.device("cuda" if cuda else "cpu")
+    device = select_device(cuda)
     os.makedirs(a.out, exist_ok=True)
     prefix = "bench_step_hf" if a.hf else "bench_step"
     t0 = time.monotonic()

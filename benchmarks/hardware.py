@@ -39,3 +39,13 @@ def cpu_model():
             return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
+
+
+def select_device(cuda: bool) -> torch.device:
+    """The device a benchmark runs on. Without a GPU: the CPU path, with CPU tensors through the pool
+    and engine (CKPT_OFFLOAD_TEST_CPU=1, read when a session is created) and one intra-op thread
+    (tiny tensors; extra threads only spin against other processes)."""
+    if not cuda:
+        os.environ["CKPT_OFFLOAD_TEST_CPU"] = "1"
+        torch.set_num_threads(1)
+    return torch.device("cuda" if cuda else "cpu")

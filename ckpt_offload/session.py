@@ -42,7 +42,7 @@ class _Record:
 
     __slots__ = (
         "handle", "engine", "nbytes", "seq", "group", "prefetched", "read_ahead", "tensor", "storage_offset",
-        "counter", "version", "users", "left", "task", "__weakref__",
+        "version", "users", "left", "task", "__weakref__",
     )
 
     def __init__(self, handle, engine, seq, group, storage_offset, version):
@@ -55,9 +55,7 @@ class _Record:
         self.read_ahead = False  # a read from the disk tier was asked for (it does nothing on host)
         self.tensor = None
         self.storage_offset = storage_offset
-        # The source's version counter (the handle reads it: .value), and its value when offloaded.
-        self.counter = handle
-        self.version = version
+        self.version = version  # the source's version when offloaded (handle.value reads it now)
         self.users = 0  # the packs attached to this copy (views of one range share it)
         self.left = 0  # of those, how many this backward has still to unpack while tensor is held
         self.task = None  # the backward (graph task) that fetched it last: not prefetched again there
@@ -351,7 +349,7 @@ class OffloadSession:
                         rec is not None
                         and r_dtype == t.dtype
                         and rec.version == version
-                        and rec.counter.value == rec.version
+                        and rec.handle.value == rec.version
                         and r_start <= start
                         and end <= r_end
                     ):

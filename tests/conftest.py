@@ -1,4 +1,4 @@
-"""Shared fixtures: the CPU test path switch, clean statistics, and the GPU marker."""
+"""Shared fixtures: the CPU test path switch, clean statistics, one intra-op thread, and the GPU marker."""
 import os
 import sys
 
@@ -26,6 +26,16 @@ def test_cpu(monkeypatch):
     """CKPT_OFFLOAD_TEST_CPU=1: CPU tensors go through the pool and the engine too."""
     monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: two cores shared with other jobs, so more only
+    oversubscribe them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

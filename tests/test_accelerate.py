@@ -8,14 +8,13 @@ fully_shard per decoder layer). Each rank trains the same steps with accelerate'
 """
 import datetime
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from procs import free_port, fsdp2_available
+from procs import free_port, fsdp2_available, join_ranks
 
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
@@ -107,17 +106,7 @@ def _worker(rank, world, port, out_dir):
 def _run(world, tmp_path):
     ctx = mp.start_processes(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):  # raises with the child's traceback if a rank failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world} ranks did not finish within {TIMEOUT_S} s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return join_ranks(ctx, world, tmp_path, TIMEOUT_S, f"the {world} ranks")
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "two-ranks"])

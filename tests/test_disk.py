@@ -24,11 +24,8 @@ LAYERS = 6  # TinyGPT's blocks, each offloading its input (keep_last=0)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 class Disk:
@@ -162,12 +159,19 @@ def test_gradients_bitwise_equal_when_the_cap_forces_spilling(disk, spill_ahead)
     assert s["disk_files"] == 0 == s["disk_bytes"] and disk.files() == []  # gone after backward
 
 
-def test_the_earliest_layers_go_to_disk(disk):
-    x = [torch.randn(64 * 1024) for _ in range(8)]  # 256 KiB each
+def _eight_under_a_cap_of_four(disk):
+    """Eight 256 KiB tensors offloaded under a cap of four blocks, no writes ahead: the first four
+    go to disk. Returns (tensors, handles) once every copy and write is done."""
+    x = [torch.randn(64 * 1024) for _ in range(8)]
     disk.pool.set_capacity(4 * ckpt_offload.HostPool.round_size(x[0].numel() * 4))
     disk.pool.set_spill_dir(disk.root, spill_ahead=0)
     hs = [disk.eng.offload(t) for t in x]
     disk.eng.synchronize()
+    return x, hs
+
+
+def test_the_earliest_layers_go_to_disk(disk):
+    x, hs = _eight_under_a_cap_of_four(disk)
     assert [h.state for h in hs] == ["on_disk"] * 4 + ["on_host"] * 4
     assert len(disk.files()) == 4
     back = [disk.eng.fetch(h) for h in reversed(hs)][::-1]
@@ -178,11 +182,7 @@ def test_the_earliest_layers_go_to_disk(disk):
 
 
 def test_read_ahead_starts_reads_before_the_reload(disk):
-    x = [torch.randn(64 * 1024) for _ in range(8)]  # 256 KiB each
-    disk.pool.set_capacity(4 * ckpt_offload.HostPool.round_size(x[0].numel() * 4))
-    disk.pool.set_spill_dir(disk.root, spill_ahead=0)
-    hs = [disk.eng.offload(t) for t in x]
-    disk.eng.synchronize()
+    x, hs = _eight_under_a_cap_of_four(disk)
     assert not disk.eng.read_ahead(hs[0])  # the cap is full: no block to read into, ask again later
     back = {i: disk.eng.fetch(hs[i]) for i in range(7, 3, -1)}  # the host ones: their blocks go back
     assert all(disk.eng.read_ahead(h) for h in hs)  # a read started for each spilled one; no-op for the rest

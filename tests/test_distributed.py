@@ -7,7 +7,6 @@ parent compares. Everything is time-bound: children that do not finish are kille
 """
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import requires_cuda
-from procs import free_port, fsdp2_available
+from procs import free_port, fsdp2_available, join_ranks
 from tiny_gpt import loss_of, make_batch, make_model
 
 WORLD = 2
@@ -104,17 +103,7 @@ def _run_two_ranks(wrapper, backend, tmp_path):
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):  # raises with the child's traceback if a rank failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"{wrapper}/{backend}: the ranks did not finish within {TIMEOUT_S} s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return join_ranks(ctx, WORLD, tmp_path, TIMEOUT_S, f"{wrapper}/{backend}: the ranks")
 
 
 def _same(a, b, exact):

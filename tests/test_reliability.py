@@ -31,12 +31,8 @@ HANG_S = 15
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two cores shared with other jobs: intra-op threads only oversubscribe them.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
