@@ -69,7 +69,7 @@ if with_cuda:
 
 sources = [os.path.join("csrc", f) for f in (
     "bindings.cpp", "copy_engine.cpp", "runtime.cpp", "runtime_sim.cpp", "runtime_cuda.cpp", "host_pool.cpp",
-    "spill.cpp", "cuda_util.cpp", "timeline.cpp",
+    "spill.cpp", "cuda_util.cpp", "timeline.cpp", "session_core.cpp",
 )]
 Extension = CUDAExtension if with_cuda else CppExtension
 ext = Extension(

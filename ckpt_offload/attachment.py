@@ -125,10 +125,16 @@ def _block_forward(self, *args, **kwargs):
     slot = self.__dict__.get(SLOT)
     if slot is None:  # detached, or a subclass of ours put on by someone else: the block's own forward
         return type(self)._ckpt_offload_base.forward(self, *args, **kwargs)
-    if slot[0].session is not None and (torch.compiler.is_compiling() or _current_callback() is not None):
-        # Under torch.compile: one eager boundary, the same function for every block, so the graph
-        # breaks here once and the block's body compiles as a frame of its own.
-        return _EAGER[1](self, args, kwargs)
+    att, i = slot
+    if att.session is not None:
+        if torch.compiler.is_compiling() or _current_callback() is not None:
+            # Under torch.compile: one eager boundary, the same function for every block, so the graph
+            # breaks here once and the block's body compiles as a frame of its own.
+            return _EAGER[1](self, args, kwargs)
+        if att.options is None and att.modes[i] != "offload":  # eager code, eager body: _block_run's own path
+            own = self.__dict__.get(OWN)
+            body = own if own is not None else functools.partial(type(self)._ckpt_offload_base.forward, self)
+            return att._run(i, body, args, kwargs)
     return _block_run(self, None, args, kwargs)
 
 
@@ -356,6 +362,8 @@ class Attachment:
 
     # -- what the blocks run -----------------------------------------------------------------------
     def _checkpoint_kwargs(self, i, extra=None):
+        if not extra and not self.checkpoint_kwargs and (i is None or self.contexts.get(i) is None):
+            return {}
         kwargs = dict(self.checkpoint_kwargs)
         if extra:
             kwargs.update(extra)
@@ -371,9 +379,10 @@ class Attachment:
         if self.hf:  # kwargs: checkpoint keywords a layer passed (older model code)
             kwargs = self._checkpoint_kwargs(i, kwargs)
         else:
-            warn_kwarg_tensors(kwargs)
-            # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
-            fn = functools.partial(fn, **kwargs) if kwargs else fn
+            if kwargs:
+                warn_kwarg_tensors(kwargs)
+                # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
+                fn = functools.partial(fn, **kwargs)
             kwargs = self._checkpoint_kwargs(i)
         mid = self.midpoints
         if mid is None or i is None:

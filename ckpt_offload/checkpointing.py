@@ -6,6 +6,7 @@ import functools
 import warnings
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _tuc
 
@@ -29,6 +30,10 @@ _WALK = 64
 _forward = [0]  # the number of the default session's current forward
 _kwarg_warned = False
 _container_warned = False
+# Left out, torch takes respect_saved_tensors_hooks=None, which it plans to refuse under active
+# saved-tensor hooks (ours are): False is what None means today, and it changes nothing without a
+# context_fn. (Read, never written: passed as **.)
+_NO_RESPECT = {"respect_saved_tensors_hooks": False} if policies.HAS_RESPECT else {}
 
 
 def default_session() -> OffloadSession:
@@ -86,19 +91,24 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
         # never be reloaded. Plain in both, or the outer's recompute would save a different number
         # of tensors than its forward (torch checks).
         session = None
-    if "context_fn" in kwargs or "respect_saved_tensors_hooks" in kwargs:
+    if not kwargs:
+        kwargs = _NO_RESPECT
+    elif "context_fn" in kwargs or "respect_saved_tensors_hooks" in kwargs:
         kwargs = policies.bind(kwargs, session, keep)
     elif policies.HAS_RESPECT:
-        # Left out, torch takes None, which it plans to refuse under active saved-tensor hooks (ours
-        # are): False is what None means today, and it changes nothing without a context_fn.
-        kwargs = {**kwargs, "respect_saved_tensors_hooks": False}
+        kwargs = {**kwargs, **_NO_RESPECT}
     if session is None or not torch.is_grad_enabled():
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if not keep and not _container_warned:
-        warn_container_tensors(args)
-    if _timeline.naming() and not torch.compiler.is_compiling():  # a layer's spans, for a timeline or profiler
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                warn_container_tensors(args)
+                break
+    if (_timeline.enabled or _autograd_profiler._is_profiler_enabled) and not torch.compiler.is_compiling():
+        # A layer's spans, for a timeline or profiler.
         return _timeline.run_layer(session, args, lambda: _run_hooked(session, function, args, kwargs, keep))
-    return _run_hooked(session, function, args, kwargs, keep)
+    with session.hooks(keep=keep):
+        return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _run_hooked(session, function, args, kwargs, keep):

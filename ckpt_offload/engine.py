@@ -1,23 +1,12 @@
 """Process-wide engines and statistics: the thin Python face of ckpt_offload._C."""
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ._args import check_bool
 from ._loader import load
 
 _C = load()
-
-_counters_lock = threading.Lock()
-_counters = {"tensors_kept_on_device": 0, "shared_views": 0, "midpoint_misses": 0}
-
-
-def count(name: str, n: int = 1) -> None:
-    with _counters_lock:
-        _counters[name] += n
-
 
 def engine_for(device) -> "_C.CopyEngine":
     """The process-wide copy engine of a device, created on first use.
@@ -125,8 +114,7 @@ def stats() -> dict:
     out["host_peak_bytes"] = pool["peak_in_use_bytes"]
     spill = _C.global_pool().spill_stats()
     out.update({name: spill[k] for k, name in _SPILL_KEYS.items()})
-    with _counters_lock:
-        out.update(_counters)
+    out.update(_C.session_counters())  # the sessions' own: tensors_kept_on_device, shared_views, midpoint_misses
     out["profiling"] = _C.profiling()
     out["d2h_gb_per_s"] = _rate(out["d2h_bytes_timed"], out["d2h_copy_ms"])
     out["h2d_gb_per_s"] = _rate(out["h2d_bytes_timed"], out["h2d_copy_ms"])
@@ -152,9 +140,7 @@ def reset_stats() -> None:
     for eng in _C.all_engines():
         eng.reset_stats()
     _C.global_pool().reset_stats()
-    with _counters_lock:
-        for k in _counters:
-            _counters[k] = 0
+    _C.reset_session_counters()
 
 
 def profile(on: bool = True) -> None:

@@ -109,25 +109,29 @@ class Midpoints:
                 tls.armed.discard(block)
                 node = _grad_node(out)
                 if node is not None:
-                    node.register_prehook(self._fire)
+                    self.session.arm(node)
 
     def leave(self, block, out):
         """block's forward ended with out (None: it raised), the checkpoint around it included."""
         path = self.path.get(block)
         if path is not None:
             # The midpoint's node, found from the block's output by the path a forward learned:
-            # no module hook runs, in the forward or in the recompute.
-            if out is None or _off(self.session) or _in_backward() or not torch.is_grad_enabled():
+            # no module hook runs, in the forward or in the recompute. (Called from the block's
+            # eager checkpoint call only: never traced.)
+            if out is None or not self.session.defer_prefetch or not torch.is_grad_enabled() or _in_backward():
                 return
             walk = self._walks.get(block)
             if walk is None:
                 walk = self._walks[block] = _engine._C.NodePath(path)
+            armed = self.session._core.arm_path(walk, out)  # follows the path and hooks its node, in C++
+            if armed == 1:
+                return
             start = _grad_node(out)
-            node = walk.follow(start)
+            node = walk.follow(start) if armed == -1 else None
             if node is None:
                 node = self._mismatch(block, start)
             if node is not None:
-                node.register_prehook(self._fire)
+                self.session.arm(node)
             return
         if _off(self.session) or _in_backward():
             return
@@ -149,7 +153,7 @@ class Midpoints:
         i = min(with_grad, key=lambda j: (abs(j - middle), j))
         self.mid[block] = order[i]
         target = nodes[order[i]]
-        target.register_prehook(self._fire)  # this forward's midpoint too
+        self.session.arm(target)  # this forward's midpoint too
         path = _path_to(_grad_node(out), target)
         if path is not None:
             self.path[block] = path
@@ -174,10 +178,6 @@ class Midpoints:
             self.path[block] = ()  # its own output's node from now on
             self._walks.pop(block, None)
         return start
-
-    def _fire(self, grad_outputs):
-        # Autograd reached the midpoint's node: start the reloads this layer's backward deferred.
-        self.session.flush_prefetch()
 
 
 def _off(session) -> bool:

@@ -12,7 +12,7 @@ import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .session import _Packed
+from .session import Packed as _Packed
 
 # What this module needs from torch, looked up by feature, not by version string.
 _Policy = getattr(_tuc, "CheckpointPolicy", None)
@@ -367,6 +367,6 @@ class _Cached(_CachedBase):
                 # The mutation check is off, as torch's is for *_SAVE outputs with this flag: what
                 # comes back is the copy, the value the op returned (torch's *_SAVE hands back the
                 # tensor itself, writes included).
-                x.version = x.kept._version if x.kept is not None else x.counter.value
+                x.version = x.current_version
             return self.session.unpack(x)
         return x

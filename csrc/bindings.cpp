@@ -9,7 +9,9 @@
 #include <cerrno>
 
 #include "copy_engine.h"
+#include "graph_nodes.h"
 #include "host_pool.h"
+#include "session_core.h"
 #include "spill.h"
 #include "timeline.h"
 
@@ -133,54 +135,6 @@ at::Tensor block_tensor(const std::shared_ptr<HostBlock>& block) {
       at::TensorOptions().dtype(at::kByte));
 }
 
-// The node a grad_fn object points to: a shared_ptr or a weak_ptr (torch up to 2.13, where the
-// graph owns the node) or an intrusive_ptr (2.14). Overloads, not `requires`: C++17 builds too.
-template <typename T>
-torch::autograd::Node* raw_node(const std::shared_ptr<T>& p) {
-  return p.get();
-}
-template <typename T>
-torch::autograd::Node* raw_node(const std::weak_ptr<T>& p) {
-  return p.lock().get();
-}
-template <typename T>
-torch::autograd::Node* raw_node(const c10::intrusive_ptr<T>& p) {
-  return p.get();
-}
-
-// The autograd node behind a grad_fn object (a built-in node's or a custom Function's), or null.
-torch::autograd::Node* node_of(PyObject* obj) {
-  if (torch::autograd::THPCppFunction_Check(obj)) {
-    return raw_node(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata);
-  }
-  if (THPFunction_Check(obj)) return raw_node(reinterpret_cast<THPFunction*>(obj)->cdata);
-  return nullptr;
-}
-
-// A path through an autograd graph, from a block's output node to its midpoint's: at each step the
-// next_functions entry taken and the name of the node it leads to (see midpoints.py).
-struct NodePath {
-  std::vector<std::pair<size_t, std::string>> steps;
-
-  // The node the path leads to from `start`, or None where a step is missing or names another
-  // node (that forward built a different graph). One call in place of a next_functions tuple per step.
-  py::object follow(py::handle start) const {
-    torch::autograd::Node* node = node_of(start.ptr());
-    if (node == nullptr) return py::none();
-    if (steps.empty()) return py::reinterpret_borrow<py::object>(start);
-    const torch::autograd::Edge* edge = nullptr;
-    for (const auto& [k, name] : steps) {
-      if (k >= node->next_edges().size()) return py::none();
-      edge = &node->next_edge(k);
-      if (!edge->function || edge->function->name() != name) return py::none();
-      node = edge->function.get();
-    }
-    PyObject* obj = torch::autograd::functionToPyObject(edge->function);
-    if (obj == nullptr) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(obj);
-  }
-};
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -302,7 +256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NodePath>(m, "NodePath", "A path through an autograd graph: ((next_functions index, node name), ...)")
       .def(py::init([](std::vector<std::pair<size_t, std::string>> steps) { return NodePath{std::move(steps)}; }),
            py::arg("steps"))
-      .def("follow", &NodePath::follow, py::arg("node"),
+      .def("follow", &NodePath::follow_py, py::arg("node"),
            "The grad_fn the path leads to from node (a grad_fn), or None where the graph differs");
 
   py::class_<HostBlock, std::shared_ptr<HostBlock>>(m, "HostBlock",
@@ -445,6 +399,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("stride", [](const OffloadHandle& h) { return h.strides(); })
       .def_property_readonly("dtype", [](const OffloadHandle& h) { return h.dtype(); })
       .def_property_readonly("device", [](const OffloadHandle& h) { return h.device(); })
+      .def_property_readonly("storage_key", &OffloadHandle::storage_key,
+                             "storage_key() of the tensor it copied (0 without a storage): held weakly, not reused")
       .def_property_readonly("compacted", &OffloadHandle::compacted)
       .def_property_readonly("id", &OffloadHandle::id, "Serial number, named by hazard errors of the simulated runtime")
       .def_property_readonly("value", &OffloadHandle::source_version,
@@ -508,6 +464,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly_static("HAND_BACK_BYTES", &CopyEngine::kHandBackBytes,
                            "offload() hands back sources with at least this many bytes of copies queued after them");
 
+  bind_session_core(m);
   m.def("engine_for", &CopyEngine::for_device, py::arg("device"),
         "The process-wide engine of a device (created on first use), sharing the global pool");
   m.def(

@@ -68,6 +68,11 @@ class OffloadHandle {
   // The offloaded tensor's version counter, read now (0 where it has none): saved-tensor hooks
   // switch autograd's in-place check off, and the session redoes it with this.
   uint32_t source_version() const { return version_.enabled() ? version_.current_version() : 0; }
+  // The address of the copied tensor's storage (0 without one): no other storage takes it while
+  // the handle lives, for the handle holds it weakly.
+  intptr_t storage_key() const {
+    return storage_ ? reinterpret_cast<intptr_t>(storage_->_unsafe_get_target()) : 0;
+  }
   // The host copy as a uint8 CPU tensor (None-like undefined tensor when not on host), once the
   // copy to the host has completed (a host wait). Testing aid.
   at::Tensor host_bytes();

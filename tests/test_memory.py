@@ -213,7 +213,7 @@ def test_a_backward_that_stops_partway_leaves_no_false_miss():
     loss = loss_of(model, ids)
     hook.remove()
     torch.autograd.grad(loss, captured[0])
-    assert session._tls.pending is not None
+    assert session._core.pending() is not None
     ckpt_offload.reset_stats()
     loss_of(model, ids).backward()  # a new backward: the point left behind is stale, not a miss
     assert session.midpoint_misses == 0 and session.defer_prefetch is True

@@ -129,14 +129,16 @@ INPUT_BYTES = 2 * S * HID * 4  # one block input, fp32
 def _watch_reloads(monkeypatch):
     """Every tensor an offloaded pack comes back as, by storage: which of them are still alive."""
     seen = []
-    real = _sess.OffloadSession._load
+    real = _sess._engine._C.SessionCore.unpack
 
-    def load(self, rec, packed):
-        t = real(self, rec, packed)
-        seen.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+    def unpack(core, packed):
+        offloaded = packed.record is not None
+        t = real(core, packed)
+        if offloaded:
+            seen.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
         return t
 
-    monkeypatch.setattr(_sess.OffloadSession, "_load", load)
+    monkeypatch.setattr(_sess._engine._C.SessionCore, "unpack", unpack)
     return lambda: sum(n for ref, n in {r.cdata: (r, n) for r, n in seen}.values() if not ref.expired())
 
 

@@ -1,0 +1,14 @@
+// The bookkeeping of an OffloadSession (ckpt_offload/session.py) in C++: its saved-tensor hooks
+// (pack, unpack), the records of what went to the host, the reload points and the prefetch that
+// follows them, and the midpoint hooks. Python keeps the policy's validation, copies, the model's
+// tensors (gathered on request) and the messages; everything per saved tensor runs here.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace ckpt_offload {
+
+// Registers SessionCore, Packed and the session counters on the extension module.
+void bind_session_core(pybind11::module_& m);
+
+}  // namespace ckpt_offload
