@@ -388,7 +388,8 @@ class Attachment:
         if mid is None or i is None:
             return run_checkpoint(self.session, fn, args, kwargs, keep)
         block = self.blocks[i]
-        mid.enter(block)
+        if block not in mid.path:  # else learned: nothing to do before the forward
+            mid.enter(block)
         out = None
         try:
             out = run_checkpoint(self.session, fn, args, kwargs, keep)

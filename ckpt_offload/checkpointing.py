@@ -85,7 +85,7 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     """Non-reentrant checkpoint whose saved inputs go through `session` (None: stay on device;
     keep=True: stay on device but start the reloads of earlier layers when backward reaches them).
     A selective-checkpoint context_fn offloads what its policy marks through the same session."""
-    if session is not None and _in_checkpoint():
+    if session is not None and _top_hooks(False) is not None and _in_checkpoint():
         # Nested in another checkpoint (its forward or its recompute): what this one saves lies in
         # the outer's region, which saves nothing of it but recomputes it; a copy made now would
         # never be reloaded. Plain in both, or the outer's recompute would save a different number
@@ -107,8 +107,15 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     if (_timeline.enabled or _autograd_profiler._is_profiler_enabled) and not torch.compiler.is_compiling():
         # A layer's spans, for a timeline or profiler.
         return _timeline.run_layer(session, args, lambda: _run_hooked(session, function, args, kwargs, keep))
-    with session.hooks(keep=keep):
+    # session.hooks(keep), without the context manager's frames: a new layer, the hooks pushed, and
+    # when the layer's forward is over its sources handed back (see _LayerHooks).
+    session.next_layer()
+    _push_hooks(session.pack_kept if keep else session.pack, session.unpack)
+    try:
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    finally:
+        _pop_hooks()
+        session.poll()
 
 
 def _run_hooked(session, function, args, kwargs, keep):
@@ -116,10 +123,15 @@ def _run_hooked(session, function, args, kwargs, keep):
         return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
 def _in_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are a non-reentrant checkpoint's, in its forward or
     its recompute (torch's pack hooks there are closures, known by their qualified names)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _top_hooks(False)
     return top is not None and getattr(top[0], "__qualname__", "").startswith(_TORCH_HOOKS)
 
 

@@ -118,12 +118,13 @@ class Midpoints:
             # The midpoint's node, found from the block's output by the path a forward learned:
             # no module hook runs, in the forward or in the recompute. (Called from the block's
             # eager checkpoint call only: never traced.)
-            if out is None or not self.session.defer_prefetch or not torch.is_grad_enabled() or _in_backward():
-                return
+            core = self.session._core
+            if out is None or not core.defer or not torch.is_grad_enabled() or _graph_task_id() != -1:
+                return  # the forward raised, midpoints are off, or this runs without a graph or in a backward
             walk = self._walks.get(block)
             if walk is None:
                 walk = self._walks[block] = _engine._C.NodePath(path)
-            armed = self.session._core.arm_path(walk, out)  # follows the path and hooks its node, in C++
+            armed = core.arm_path(walk, out)  # follows the path and hooks its node, in C++
             if armed == 1:
                 return
             start = _grad_node(out)

@@ -137,6 +137,11 @@ class OffloadSession:
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         # hooks()'s two contexts, made once: entering one pushes its hooks, leaving pops them.
         self._layer_hooks = (_LayerHooks(core, core.pack, core.unpack), _LayerHooks(core, core.pack_kept, core.unpack))
+        self.next_layer = core.next_layer  # what is packed from now on belongs to a new layer (the unit prefetch counts by)
+        # poll(): the forward (or layer) is over: every source goes back to the allocator now, those
+        # whose copy to the host is still running ordered after it on their stream (no host wait).
+        # Held longer, they would count as allocated into backward while the host runs ahead of the GPU.
+        self.poll = core.poll
 
     # The policy, read and written through the core.
     min_bytes = property(lambda self: self._core.min_bytes, lambda self, v: setattr(self._core, "min_bytes", v))
@@ -180,10 +185,6 @@ class OffloadSession:
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
         records of its own forward, never those of another graph still alive."""
         self._core.new_forward()
-
-    def next_layer(self):
-        """What is packed from now on belongs to a new layer (the unit prefetch counts by)."""
-        self._core.next_layer()
 
     def _is_candidate(self, t) -> bool:
         """Whether pack would offload t: a plain dense tensor on a CUDA device (or the CPU under the
@@ -264,12 +265,6 @@ class OffloadSession:
                 self._module_ptrs[ref.cdata] = ref
                 keys.append(ref.cdata)
         self._core.add_module_keys(keys)
-
-    def poll(self):
-        """The forward is over: every source goes back to the allocator now, those whose copy to
-        the host is still running ordered after it on their stream (no host wait). Held longer,
-        they would count as allocated into backward while the host runs ahead of the GPU."""
-        self._core.poll()
 
 
 # The sessions that note the modules run inside them (offload_activations contexts), served by one

@@ -364,3 +364,72 @@ def test_whole_block_offload_never_copies_weights_registered_by_functional_call(
     functional_call(ref, {k: v * 1.0 for k, v in ref.named_parameters()}, (x0 * 1.0,)).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def _package_calls(fn):
+    """The ckpt_offload functions (file, name) Python enters on this thread while fn runs."""
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            seen.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_once_learned_no_python_of_the_package_runs_per_saved_tensor_or_in_backward():
+    # The hooks autograd calls (pack, unpack), the reload points, the prefetch and the midpoint hooks
+    # are the extension's (csrc/session_core.cpp): in backward no ckpt_offload Python runs at all,
+    # and in the forward only the block's checkpoint call does, nothing of the session per tensor.
+    model, ref = make(), make()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    model(x).square().sum().backward()  # learns the midpoints
+    model.zero_grad()
+    core = model._ckpt_offload.session._core
+    ckpt_offload.reset_stats()
+    out = []
+    forward = _package_calls(lambda: out.append(model(x)))
+    fired = core.fired
+    backward = _package_calls(lambda: out[0].square().sum().backward())
+    assert backward == []
+    # The session's Python in the forward: the model's own once-per-forward work, nothing per tensor.
+    per_forward = {"exclude_module_tensors", "_gather_root", "root_storages", "_storage_ref"}
+    assert {name for file, name in forward if file == "session.py"} <= per_forward, forward
+    layer_calls = [c for c in forward if c == ("attachment.py", "_block_forward")]
+    assert len(layer_calls) == len(model)
+    assert ckpt_offload.stats()["tensors_offloaded"] == len(model) - 1  # the last one kept on the device
+    assert core.fired - fired == len(model)  # every midpoint hook ran, in C++
+    assert ckpt_offload.stats()["reloads_on_demand"] == 0  # every reload was started ahead, from a midpoint
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_compiled_autograd_leaves_the_midpoint_hooks_out_and_reloads_from_each_start():
+    # A C++ midpoint hook has no compiled form: compiled autograd's backward runs without it. The
+    # first reload point after a missed midpoint counts the miss and the session reloads from the
+    # start of each layer's backward from then on; gradients are exact either way.
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    model, ref = make(), make()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    model(x).square().sum().backward()  # learns the midpoints
+    model.zero_grad()
+    ckpt_offload.reset_stats()
+    out = model(x)
+    with compiled_autograd._enable(lambda graph: graph):  # the traced backward runs as it is
+        out.square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert ckpt_offload.stats()["midpoint_misses"] == 1
+    assert model._ckpt_offload.session.defer_prefetch is False
+    assert ckpt_offload.stats()["tensors_fetched"] == len(model) - 1
