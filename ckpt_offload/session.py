@@ -64,6 +64,8 @@ def _modified_error(packed, now):
     t = packed.kept
     if t is not None:
         what = f"{t.type()} {list(t.shape)}"
+        if packed.source is not None:  # kept detached: the tensor itself names its grad_fn, while it lives
+            t = packed.source
     else:
         dtype, device, shape = packed.copy
         what = f"{torch.empty(0, dtype=dtype, device=device).type()} {list(shape)}"

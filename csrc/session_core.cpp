@@ -176,34 +176,48 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   py::object pack(py::handle obj, bool keep) {
     const at::Tensor& t = unpack_tensor(obj);
     auto p = std::make_shared<Packed>();
+    p->version = t._version();
+    // Numbered once candidate() is done: it may call Python (the model's tensors, once a forward),
+    // and another thread may pack meanwhile.
+    const bool offload = candidate(obj, t);
     p->seq = next_seq_;
     p->group = group;
-    p->version = t._version();
-    p->kept = py::reinterpret_borrow<py::object>(obj);
-    if (!candidate(obj, t)) return py::cast(p);
+    if (!offload) {
+      keep_detached(*p, obj, t);
+      return py::cast(p);
+    }
     next_seq_ += 1;
-    if (keep) return py::cast(p);
-    if (keep_last > 0) {
-      // The newest keep_last candidates wait on the device; the oldest of them goes now.
-      if (t.is_cuda()) p->stream = c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device());
-      deferred_.push_back(p);
-      if (static_cast<int64_t>(deferred_.size()) > keep_last) {
-        PackedPtr oldest = deferred_.front();
-        deferred_.pop_front();
-        send(*oldest);
-      }
-    } else {
+    if (keep) {
+      keep_detached(*p, obj, t);
+      return py::cast(p);
+    }
+    // Sent now, or from the keep-last queue: held detached only once it stays (the pool refused it,
+    // or the forward ended with it in the queue).
+    p->kept = py::reinterpret_borrow<py::object>(obj);
+    if (keep_last == 0) {
       send(*p);
+      return py::cast(p);
+    }
+    // The newest keep_last candidates wait on the device; the oldest of them goes now.
+    if (t.is_cuda()) p->stream = c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device());
+    deferred_.push_back(p);
+    if (static_cast<int64_t>(deferred_.size()) > keep_last) {
+      PackedPtr oldest = deferred_.front();
+      deferred_.pop_front();
+      send(*oldest);
     }
     return py::cast(p);
   }
 
   py::object unpack(const PackedPtr& p) {
     if (p->kept) {
-      const int64_t now = THPVariable_Unpack(p->kept.ptr())._version();
+      // Held here: reload_point may let another thread run (the GIL is released around copies),
+      // whose pack can send this one out of the keep-last queue and clear p->kept.
+      py::object kept = p->kept;
+      const int64_t now = THPVariable_Unpack(kept.ptr())._version();
       if (now != p->version) raise_modified(p, now);
       reload_point(p->seq, p->group);
-      return p->kept;
+      return kept;
     }
     const int64_t now = static_cast<int64_t>(p->counter->current_version());
     if (now != p->version) raise_modified(p, now);
@@ -254,7 +268,8 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   }
 
   void end() {
-    deferred_.clear();  // the keep-last queue stays on the device
+    for (auto& p : deferred_) hold_detached(*p);  // the keep-last queue stays on the device
+    deferred_.clear();
     module_keys_.clear();
     poll();
   }
@@ -344,6 +359,27 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     int64_t seq, group, task;
   };
 
+  // Held detached (torch's advice for pack hooks): a saved output held with its grad_fn would make a
+  // cycle node -> Packed -> tensor -> node that no collector sees. The original is named by source.
+  static void keep_detached(Packed& p, py::handle obj, const at::Tensor& t) {
+    if (!plain_tensor(obj.ptr()) || !t.grad_fn()) {  // no graph to cycle through: the tensor itself
+      p.kept = py::reinterpret_borrow<py::object>(obj);
+      return;
+    }
+    at::Tensor d = t.detach();
+    // The same counter whatever dispatch keys are excluded here (a dispatch mode's pack: no ADInplaceOrView).
+    torch::autograd::impl::set_version_counter(d, torch::autograd::impl::version_counter(t));
+    p.kept = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(d)));
+    p.source = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr());
+  }
+
+  // keep_detached for a pack that holds its tensor as given (a send refused, the keep-last queue).
+  static void hold_detached(Packed& p) {
+    if (!p.kept) return;
+    py::object obj = p.kept;
+    keep_detached(p, obj, THPVariable_Unpack(obj.ptr()));
+  }
+
   static const at::Tensor& unpack_tensor(py::handle obj) {
     if (!THPVariable_Check(obj.ptr())) throw py::type_error("OffloadSession.pack: expected a tensor");
     return THPVariable_Unpack(obj.ptr());
@@ -391,7 +427,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     rec->users += 1;
     // Its own counter: a tensor sharing the storage need not share the version.
     p.counter = torch::autograd::impl::version_counter(t);
-    p.source = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr());
+    if (!p.source) p.source = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr());
     p.stream.reset();
     p.kept = py::object();
   }
@@ -450,6 +486,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
       }
     }
     if (!handle) {
+      hold_detached(p);
       g_kept_on_device.fetch_add(1);
       parts().warn_refused(py::cast(eng));
       return;  // stays on the device

@@ -105,3 +105,35 @@ def test_a_reused_offload_activations_context_prefetches_within_each_forward():
     y_a.backward()
     del records_a
     assert ckpt_offload.stats()["host_in_use_bytes"] == 0
+
+
+def test_a_forward_dropped_without_backward_frees_its_graph_and_host_blocks():
+    # Tanh saves its own output, which stays on the device (below min_bytes): held with its grad_fn,
+    # the pack would close a cycle node -> pack -> tensor -> node that no collector sees, and every
+    # forward dropped without a backward (a skipped step) would keep its graph and host blocks.
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8),
+                                                      torch.nn.Tanh(), torch.nn.Linear(8, 64)) for _ in range(4)])
+    ckpt_offload.reset_stats()
+    for _ in range(3):
+        x = torch.randn(128, 64)
+        with ckpt_offload.offload_activations(min_bytes=16 << 10):  # the 128x64 activations go, 128x8 stay
+            y = model(x).sum()
+        assert ckpt_offload.stats()["tensors_offloaded"] > 0 and ckpt_offload.stats()["host_in_use_bytes"] > 0
+        del y
+        gc.collect()
+        assert ckpt_offload.stats()["host_in_use_bytes"] == 0  # the graph is gone, and its host copies with it
+    # And with a backward the same gradients as without the context.
+    ref = [p.grad for p in model.parameters()]
+    assert all(g is None for g in ref)
+    x = torch.randn(128, 64)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with ckpt_offload.offload_activations(min_bytes=16 << 10):
+        y = model(x).sum()
+    y.backward()
+    for p, g in zip(model.parameters(), expected):
+        assert torch.equal(p.grad, g)
