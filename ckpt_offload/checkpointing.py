@@ -107,6 +107,10 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     if (_timeline.enabled or _autograd_profiler._is_profiler_enabled) and not torch.compiler.is_compiling():
         # A layer's spans, for a timeline or profiler.
         return _timeline.run_layer(session, args, lambda: _run_hooked(session, function, args, kwargs, keep))
+    return _run_hooked(session, function, args, kwargs, keep)
+
+
+def _run_hooked(session, function, args, kwargs, keep):
     # session.hooks(keep), without the context manager's frames: a new layer, the hooks pushed, and
     # when the layer's forward is over its sources handed back (see _LayerHooks).
     session.next_layer()
@@ -116,11 +120,6 @@ def run_checkpoint(session, function, args, kwargs, keep=False):
     finally:
         _pop_hooks()
         session.poll()
-
-
-def _run_hooked(session, function, args, kwargs, keep):
-    with session.hooks(keep=keep):
-        return _tuc.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

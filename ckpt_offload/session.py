@@ -193,10 +193,6 @@ class OffloadSession:
         test switch) of at least min_bytes, not a parameter, a view of one, or a model's tensor."""
         return self._core.is_candidate(t)
 
-    def flush_prefetch(self):
-        """Starts the reloads a reload point held back (called from the middle of a layer's backward)."""
-        self._core.flush()
-
     def arm(self, node) -> bool:
         """Hooks a grad_fn: autograd reaching it starts the reloads held back (see Midpoints)."""
         return self._core.arm(node)

@@ -211,47 +211,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // Saved-tensor hooks switch off autograd's in-place check; the hooks restore it with this: the
   // tensor's version counter, held without holding the tensor's memory.
-  py::class_<c10::VariableVersion>(m, "VersionCounter")
-      .def(py::init([](const at::Tensor& t) { return torch::autograd::impl::version_counter(t); }), py::arg("tensor"))
-      .def_property_readonly("value", &c10::VariableVersion::current_version);
-
-  // A storage's identity as an integer (its StorageImpl's address, as UntypedStorage._cdata): stable
-  // while something holds the storage, even weakly (an OffloadHandle does).
-  m.def(
-      "storage_key",
-      [](const at::Tensor& t) -> intptr_t {
-        return t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
-      },
-      py::arg("tensor"));
-
-  // The per-tensor checks of an offload candidate in one call: its bytes when it is a dense strided
-  // tensor with data (not nested, quantized, or a lazy conjugate or negative view) on a CUDA device,
-  // or on the CPU where allow_cpu; else -1.
-  m.def(
-      "offload_size",
-      [](const at::Tensor& t, bool allow_cpu) -> int64_t {
-        if (!(t.is_cuda() || (allow_cpu && t.is_cpu()))) return -1;
-        if (t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_conj() || t.is_neg()) return -1;
-        if (!t.has_storage()) return -1;
-        return static_cast<int64_t>(t.nbytes());
-      },
-      py::arg("tensor"), py::arg("allow_cpu"));
-  // (storage_key, first element, one past the last element, elements) of the storage range a tensor
-  // covers: a span longer than the elements has gaps (a strided slice).
-  m.def(
-      "storage_span",
-      [](const at::Tensor& t) {
-        const int64_t start = t.storage_offset();
-        int64_t end = start + 1;
-        if (t.numel() == 0) {
-          end = start;
-        } else {
-          for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
-        }
-        const intptr_t key = t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
-        return py::make_tuple(key, start, end, t.numel());
-      },
-      py::arg("tensor"));
+  m.def("storage_key", &storage_key, py::arg("tensor"),
+        "A storage's identity as an integer (its address, as UntypedStorage._cdata): stable while something holds "
+        "the storage, even weakly (an OffloadHandle does)");
 
   py::class_<NodePath>(m, "NodePath", "A path through an autograd graph: ((next_functions index, node name), ...)")
       .def(py::init([](std::vector<std::pair<size_t, std::string>> steps) { return NodePath{std::move(steps)}; }),
@@ -404,7 +366,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("compacted", &OffloadHandle::compacted)
       .def_property_readonly("id", &OffloadHandle::id, "Serial number, named by hazard errors of the simulated runtime")
       .def_property_readonly("value", &OffloadHandle::source_version,
-                             "The offloaded tensor's version counter, read now (as VersionCounter.value)")
+                             "The offloaded tensor's version counter, read now")
       .def("host_bytes", [](OffloadHandle& h) -> py::object {
         at::Tensor t;
         {

@@ -43,10 +43,6 @@ std::atomic<uint64_t> g_midpoint_misses{0};
 
 int64_t graph_task() { return torch::autograd::get_current_graph_task_id(); }
 
-intptr_t storage_key(const at::Tensor& t) {
-  return t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
-}
-
 // A dense strided tensor with data (not nested, quantized, or a lazy conjugate or negative view) on
 // a CUDA device, or on the CPU where allow_cpu: its bytes; else -1.
 int64_t offload_size(const at::Tensor& t, bool allow_cpu) {

@@ -8,6 +8,12 @@
 
 namespace ckpt_offload {
 
+// A storage's identity as an integer (its StorageImpl's address, as UntypedStorage._cdata): stable
+// while something holds the storage, even weakly (an OffloadHandle does).
+inline intptr_t storage_key(const at::Tensor& t) {
+  return t.has_storage() ? reinterpret_cast<intptr_t>(t.storage().unsafeGetStorageImpl()) : 0;
+}
+
 // Registers SessionCore, Packed and the session counters on the extension module.
 void bind_session_core(pybind11::module_& m);
 
