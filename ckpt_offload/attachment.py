@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from .checkpointing import run_checkpoint, warn_kwarg_tensors
+from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
 from .compile import _current_callback, _eagerly, _under, compiled
 from .session import OffloadSession
 
@@ -383,11 +383,19 @@ class Attachment:
                 warn_kwarg_tensors(kwargs)
                 # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
                 fn = functools.partial(fn, **kwargs)
-            kwargs = self._checkpoint_kwargs(i)
+            kwargs = {} if not self.checkpoint_kwargs and self.contexts.get(i) is None else self._checkpoint_kwargs(i)
         mid = self.midpoints
         if mid is None or i is None:
             return run_checkpoint(self.session, fn, args, kwargs, keep)
         block = self.blocks[i]
+        walk = mid.walks.get(block)
+        if walk is not None and not kwargs:  # learned: the checkpoint and its midpoint in one call
+            out, armed = run_learned(self.session, fn, args, keep, walk)
+            if armed is None:
+                mid.leave(block, out)
+            elif armed < 1:
+                mid.rearm(block, out, armed)
+            return out
         if block not in mid.path:  # else learned: nothing to do before the forward
             mid.enter(block)
         out = None

@@ -122,6 +122,26 @@ def _run_hooked(session, function, args, kwargs, keep):
         session.poll()
 
 
+def run_learned(session, function, args, keep, walk):
+    """run_checkpoint(session, function, args, {}, keep) for a block whose midpoint path is learned
+    (walk, a _C.NodePath), with the midpoint hooked in the same call to the session's core. Returns
+    (out, armed): armed as SessionCore.run_layer, or None where this call took run_checkpoint's own
+    path (nested in a checkpoint, a timeline or profiler on) and the midpoint is still to hook."""
+    if _top_hooks(False) is not None or _timeline.enabled or _autograd_profiler._is_profiler_enabled:
+        return run_checkpoint(session, function, args, {}, keep), None
+    if not keep and not _container_warned:
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                warn_container_tensors(args)
+                break
+    specs = session._layer_specs
+    if specs is None:
+        kwargs = {"use_reentrant": False, **_NO_RESPECT}
+        specs = session._layer_specs = ((_push_hooks, _pop_hooks, session.pack, session.unpack, _tuc, kwargs),
+                                        (_push_hooks, _pop_hooks, session.pack_kept, session.unpack, _tuc, kwargs))
+    return session._core.run_layer(specs[keep], function, args, walk)
+
+
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks

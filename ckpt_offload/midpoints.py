@@ -41,7 +41,7 @@ class Midpoints:
         # modules, so DataParallel's replica children (which share these hooks) are not kept alive.
         self.mid = {}
         self.path = {}  # block -> how its midpoint's node is reached from its output's (see _path_to)
-        self._walks = {}  # block -> its path as a _C.NodePath, which follows it in one call
+        self.walks = {}  # block -> its path as a _C.NodePath, which follows it in one call
         self.relearned = {}  # block -> how often a forward's graph did not match its path
         self._tls = threading.local()  # .calls: {block: [(name, node)]}; .armed: set of blocks
         self.handles = []
@@ -58,13 +58,13 @@ class Midpoints:
     def __getstate__(self):
         state = dict(self.__dict__)
         del state["_tls"]  # this thread's forward in progress: not a copy's
-        del state["_walks"]  # made again from path
+        del state["walks"]  # made again from path
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._tls = threading.local()
-        self._walks = {}
+        self.walks = {}
 
     @staticmethod
     def usable(blocks) -> bool:
@@ -121,18 +121,12 @@ class Midpoints:
             core = self.session._core
             if out is None or not core.defer or not torch.is_grad_enabled() or _graph_task_id() != -1:
                 return  # the forward raised, midpoints are off, or this runs without a graph or in a backward
-            walk = self._walks.get(block)
+            walk = self.walks.get(block)
             if walk is None:
-                walk = self._walks[block] = _engine._C.NodePath(path)
+                walk = self.walks[block] = _engine._C.NodePath(path)
             armed = core.arm_path(walk, out)  # follows the path and hooks its node, in C++
-            if armed == 1:
-                return
-            start = _grad_node(out)
-            node = walk.follow(start) if armed == -1 else None
-            if node is None:
-                node = self._mismatch(block, start)
-            if node is not None:
-                self.session.arm(node)
+            if armed != 1:
+                self.rearm(block, out, armed)
             return
         if _off(self.session) or _in_backward():
             return
@@ -158,12 +152,25 @@ class Midpoints:
         path = _path_to(_grad_node(out), target)
         if path is not None:
             self.path[block] = path
+            self.walks[block] = _engine._C.NodePath(path)
         # From now on the midpoint's node is found by its path from the output, or else through
         # the midpoint child's hook: the other children's hooks go, once per block (a module with
         # no hooks runs torch's fast call path, in the forward and in the recompute).
         for name, handle in self._child_hooks.pop(block, ()):
             if path is not None or name != order[i]:
                 handle.remove()
+
+    def rearm(self, block, out, armed):
+        """A learned block's path did not lead to a node from out (SessionCore.arm_path's armed: 0, this
+        graph does not match; -1, out is no plain tensor with a grad_fn; 2, nothing to hook)."""
+        if armed == 2:
+            return
+        start = _grad_node(out)
+        node = self.walks[block].follow(start) if armed == -1 else None
+        if node is None:
+            node = self._mismatch(block, start)
+        if node is not None:
+            self.session.arm(node)
 
     def _mismatch(self, block, start):
         """This forward's graph does not match block's path (another branch taken, autocast switched
@@ -173,11 +180,11 @@ class Midpoints:
         n = self.relearned[block] = self.relearned.get(block, 0) + 1
         if n <= _RELEARN:
             del self.path[block], self.mid[block]
-            self._walks.pop(block, None)
+            self.walks.pop(block, None)
             self._hook_children(block)
         else:
             self.path[block] = ()  # its own output's node from now on
-            self._walks.pop(block, None)
+            self.walks.pop(block, None)
         return start
 
 

@@ -127,9 +127,9 @@ class OffloadSession:
         core.owner = weakref.ref(self)  # asked for the model's tensors (_gather_root), weakly
         # The hooks: pack(tensor) -> Packed, pack_kept (kept on the device but still a reload point),
         # unpack(Packed) -> tensor; autograd calls them, without Python in between.
-        self.pack = core.pack
-        self.pack_kept = core.pack_kept
-        self.unpack = core.unpack
+        self.pack = core.hook(0)
+        self.pack_kept = core.hook(1)
+        self.unpack = core.hook(2)
         # The storages of module weights and buffers, by identity: {storage address: StorageWeakRef}.
         # The weak reference keeps the storage object's address from going to another storage; a
         # data pointer would not (FSDP2 frees unsharded weights, and activations get the memory).
@@ -138,7 +138,10 @@ class OffloadSession:
         self._root_ptrs = None  # its tensors' storages, the same mapping, once looked up in this forward
         self._tracking = False  # noting the modules that run (offload_activations): see _track
         # hooks()'s two contexts, made once: entering one pushes its hooks, leaving pops them.
-        self._layer_hooks = (_LayerHooks(core, core.pack, core.unpack), _LayerHooks(core, core.pack_kept, core.unpack))
+        self._layer_hooks = (_LayerHooks(core, self.pack, self.unpack), _LayerHooks(core, self.pack_kept, self.unpack))
+        # What core.run_layer needs for a layer's checkpoint in one call, offloading and kept: made by
+        # checkpointing.run_learned when it first runs one.
+        self._layer_specs = None
         self.next_layer = core.next_layer  # what is packed from now on belongs to a new layer (the unit prefetch counts by)
         # poll(): the forward (or layer) is over: every source goes back to the allocator now, those
         # whose copy to the host is still running ordered after it on their stream (no host wait).

@@ -5,6 +5,7 @@
 // tensor kept on the device, the owner's weak reference) are dropped with the GIL held.
 #include "session_core.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -66,6 +67,7 @@ bool plain_tensor(PyObject* obj) { return Py_TYPE(obj) == reinterpret_cast<PyTyp
 // Python functions and flags the core calls (looked up once).
 struct PyParts {
   py::object timeline, profiler, named_engine, modified_error, warn_refused, engine;
+  py::object timeline_globals, profiler_globals;  // the two modules' namespaces, read by naming()
   py::str enabled{"enabled"}, profiler_on{"_is_profiler_enabled"};
 };
 
@@ -74,6 +76,8 @@ PyParts& parts() {
     auto* out = new PyParts();  // never destroyed: Python objects must not die after the interpreter
     out->timeline = py::module_::import("ckpt_offload.timeline");
     out->profiler = py::module_::import("torch.autograd.profiler");
+    out->timeline_globals = out->timeline.attr("__dict__");
+    out->profiler_globals = out->profiler.attr("__dict__");
     out->named_engine = out->timeline.attr("NamedEngine");
     out->engine = py::module_::import("ckpt_offload.engine");
     auto session = py::module_::import("ckpt_offload.session");
@@ -85,10 +89,18 @@ PyParts& parts() {
 }
 
 // Whether copies are named for a timeline or a profiler (timeline.enabled, or torch's profiler on).
+// Read from the modules' namespaces (one dict lookup each, per copy), not through getattr.
 bool naming() {
   PyParts& p = parts();
-  return PyObject_IsTrue(p.timeline.attr(p.enabled).ptr()) == 1 ||
-         PyObject_IsTrue(p.profiler.attr(p.profiler_on).ptr()) == 1;
+  auto flag = [](const py::object& globals, const py::str& name) {
+    PyObject* v = PyDict_GetItemWithError(globals.ptr(), name.ptr());  // borrowed
+    if (v == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return false;
+    }
+    return v == Py_True || (v != Py_False && PyObject_IsTrue(v) == 1);
+  };
+  return flag(p.timeline_globals, p.enabled) || flag(p.profiler_globals, p.profiler_on);
 }
 
 struct Record {
@@ -108,6 +120,24 @@ struct Record {
 };
 using RecordPtr = std::shared_ptr<Record>;
 
+// The GIL for a scope, taken only where this thread lacks it (autograd drops Packed objects holding it,
+// and runs midpoint hooks without it): lighter than pybind's gil_scoped_acquire on both paths.
+class WithGil {
+ public:
+  WithGil() : held_(PyGILState_Check() != 0) {
+    if (!held_) state_ = PyGILState_Ensure();
+  }
+  ~WithGil() {
+    if (!held_) PyGILState_Release(state_);
+  }
+  WithGil(const WithGil&) = delete;
+  WithGil& operator=(const WithGil&) = delete;
+
+ private:
+  bool held_;
+  PyGILState_STATE state_{};
+};
+
 // What autograd keeps for one saved tensor: a record plus how to view it, or the tensor itself while
 // it stays on the device (kept, or waiting in the keep-last queue).
 struct Packed {
@@ -125,7 +155,7 @@ struct Packed {
 
   ~Packed() {
     if (kept) {
-      py::gil_scoped_acquire gil;
+      WithGil gil;
       kept = py::object();
     }
   }
@@ -326,6 +356,49 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     return 1;
   }
 
+  // A learned layer's checkpoint in one call (checkpointing.run_learned): a new layer, the session's
+  // hooks pushed around torch's checkpoint(function, *args, **kwargs) and popped however it ends, the
+  // layer's sources handed back (poll), and the midpoint's node hooked by following walk from the
+  // output. spec: (push, pop, pack hook, unpack hook, torch.utils.checkpoint, kwargs), made once per
+  // session. Returns (out, armed): armed as arm_path, or 2 where there was nothing to hook (midpoints
+  // off, grad off, inside a backward).
+  py::tuple run_layer(const py::tuple& spec, py::handle function, const py::tuple& args, const NodePath& walk) {
+    if (spec.size() != 6) throw py::value_error("SessionCore.run_layer: spec is (push, pop, pack, unpack, module, kwargs)");
+    static PyObject* checkpoint_name = PyUnicode_InternFromString("checkpoint");
+    group += 1;
+    PyObject* pushed = PyObject_CallFunctionObjArgs(spec[0].ptr(), spec[2].ptr(), spec[3].ptr(), nullptr);
+    if (pushed == nullptr) throw py::error_already_set();
+    Py_DECREF(pushed);
+    PyObject* out = nullptr;
+    {
+      PyObject* checkpoint = PyObject_GetAttr(spec[4].ptr(), checkpoint_name);
+      const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+      PyObject* call_args = checkpoint ? PyTuple_New(n + 1) : nullptr;
+      if (call_args != nullptr) {
+        Py_INCREF(function.ptr());
+        PyTuple_SET_ITEM(call_args, 0, function.ptr());
+        for (Py_ssize_t k = 0; k < n; ++k) {
+          PyObject* a = PyTuple_GET_ITEM(args.ptr(), k);
+          Py_INCREF(a);
+          PyTuple_SET_ITEM(call_args, k + 1, a);
+        }
+        out = PyObject_Call(checkpoint, call_args, spec[5].ptr());
+        Py_DECREF(call_args);
+      }
+      Py_XDECREF(checkpoint);
+    }
+    if (out == nullptr) {
+      py::error_already_set failed;  // taken out of the interpreter while the hooks come off
+      pop_layer(spec);
+      throw failed;
+    }
+    py::object result = py::reinterpret_steal<py::object>(out);
+    pop_layer(spec);
+    int armed = 2;
+    if (defer && at::GradMode::is_enabled() && graph_task() == -1) armed = arm_path(walk, result);
+    return py::make_tuple(std::move(result), armed);
+  }
+
   py::object pending() const {
     auto it = pending_.find(std::this_thread::get_id());
     if (it == pending_.end()) return py::none();
@@ -354,6 +427,13 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   struct Pending {
     int64_t seq, group, task;
   };
+
+  void pop_layer(const py::tuple& spec) {
+    PyObject* popped = PyObject_CallNoArgs(spec[1].ptr());
+    if (popped == nullptr) throw py::error_already_set();
+    Py_DECREF(popped);
+    poll();
+  }
 
   // Held detached (torch's advice for pack hooks): a saved output held with its grad_fn would make a
   // cycle node -> Packed -> tensor -> node that no collector sees. The original is named by source.
@@ -713,7 +793,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
 };
 
 torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::variable_list& grads) {
-  py::gil_scoped_acquire gil;  // before the core: if it is the last reference, it goes under the GIL
+  WithGil gil;  // before the core: if it is the last reference, it goes under the GIL
   if (auto core = core_.lock()) {
     core->fired += 1;
     core->flush();
@@ -721,9 +801,83 @@ torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::v
   return grads;
 }
 
+// The saved-tensor hooks autograd calls: a plain callable with vectorcall, so a call reaches the core
+// without pybind's dispatcher, and with the class attribute _checkpoint_internal (False), which
+// torch's checkpoint reads off the innermost pack hook on every entry (a bound method would raise
+// and format an AttributeError each time).
+enum HookKind : int { kPack = 0, kPackKept = 1, kUnpack = 2 };
+
+struct SavedHook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* owner;    // the SessionCore's Python object, which keeps core alive
+  SessionCore* core;
+  int kind;
+};
+
+PyObject* saved_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* h = reinterpret_cast<SavedHook*>(self);
+  if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, h->kind == kUnpack ? "OffloadSession.unpack takes one Packed"
+                                                         : "OffloadSession.pack takes one tensor");
+    return nullptr;
+  }
+  try {
+    if (h->kind != kUnpack) return h->core->pack(py::handle(args[0]), h->kind == kPackKept).release().ptr();
+    py::detail::make_caster<PackedPtr> packed;
+    if (!packed.load(py::handle(args[0]), /*convert=*/false)) {
+      PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
+      return nullptr;
+    }
+    return h->core->unpack(py::detail::cast_op<PackedPtr>(packed)).release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+void saved_hook_dealloc(PyObject* self) {
+  Py_XDECREF(reinterpret_cast<SavedHook*>(self)->owner);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* saved_hook_repr(PyObject* self) {
+  static const char* names[] = {"pack", "pack_kept", "unpack"};
+  return PyUnicode_FromFormat("<ckpt_offload session %s hook>", names[reinterpret_cast<SavedHook*>(self)->kind]);
+}
+
+PyTypeObject saved_hook_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "ckpt_offload._C.SavedHook";
+  t.tp_basicsize = sizeof(SavedHook);
+  t.tp_dealloc = saved_hook_dealloc;
+  t.tp_repr = saved_hook_repr;
+  t.tp_vectorcall_offset = offsetof(SavedHook, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_doc = "A session's saved-tensor hook (pack, pack_kept or unpack)";
+  return t;
+}();
+
+py::object make_hook(py::object core, int kind) {
+  if (kind < kPack || kind > kUnpack) throw py::value_error("SessionCore.hook: kind is 0 (pack), 1 (pack_kept) or 2 (unpack)");
+  auto* h = PyObject_New(SavedHook, &saved_hook_type);
+  if (h == nullptr) throw py::error_already_set();
+  h->vectorcall = saved_hook_call;
+  h->core = core.cast<SessionCore*>();
+  h->owner = core.release().ptr();
+  h->kind = kind;
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(h));
+}
+
 }  // namespace
 
 void bind_session_core(py::module_& m) {
+  if (PyType_Ready(&saved_hook_type) < 0) throw py::error_already_set();
+  if (PyDict_SetItemString(saved_hook_type.tp_dict, "_checkpoint_internal", Py_False) < 0) throw py::error_already_set();
+  PyType_Modified(&saved_hook_type);
+  Py_INCREF(&saved_hook_type);
+  m.add_object("SavedHook", py::handle(reinterpret_cast<PyObject*>(&saved_hook_type)));
   py::class_<Record, RecordPtr>(m, "SessionRecord", "One offloaded byte range of a storage (read-only)")
       .def_readonly("handle", &Record::handle)
       .def_readonly("nbytes", &Record::nbytes)
@@ -776,6 +930,8 @@ void bind_session_core(py::module_& m) {
       .def("pack", [](SessionCore& c, py::handle t) { return c.pack(t, false); }, py::arg("tensor"))
       .def("pack_kept", [](SessionCore& c, py::handle t) { return c.pack(t, true); }, py::arg("tensor"))
       .def("unpack", &SessionCore::unpack, py::arg("packed"))
+      .def("hook", &make_hook, py::arg("kind"),
+           "The saved-tensor hook autograd calls: 0 pack, 1 pack_kept, 2 unpack (see SavedHook)")
       .def("is_candidate", [](SessionCore& c, py::handle t) {
         if (!THPVariable_Check(t.ptr())) return false;
         return c.candidate(t, THPVariable_Unpack(t.ptr()));
@@ -790,6 +946,8 @@ void bind_session_core(py::module_& m) {
       .def("arm_path", &SessionCore::arm_path, py::arg("path"), py::arg("out"),
            "Hooks the node a NodePath leads to from out's grad_fn: 1 hooked, 0 no match, -1 out is no plain "
            "tensor with a grad_fn")
+      .def("run_layer", &SessionCore::run_layer, py::arg("spec"), py::arg("function"), py::arg("args"), py::arg("walk"),
+           "A learned layer's checkpoint with its hooks and its midpoint, in one call: (out, armed)")
       .def("set_root", &SessionCore::set_root, py::arg("active"))
       .def("add_module_keys", &SessionCore::add_module_keys, py::arg("keys"))
       .def("pending", &SessionCore::pending)

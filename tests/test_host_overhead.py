@@ -403,6 +403,11 @@ def test_once_learned_no_python_of_the_package_runs_per_saved_tensor_or_in_backw
     assert {name for file, name in forward if file == "session.py"} <= per_forward, forward
     layer_calls = [c for c in forward if c == ("attachment.py", "_block_forward")]
     assert len(layer_calls) == len(model)
+    # Per layer: the block's forward, its checkpoint call and the one call into the core that pushes
+    # the hooks, runs torch's checkpoint, pops them and hooks the midpoint (SessionCore.run_layer).
+    per_layer = [name for file, name in forward
+                 if file in ("attachment.py", "checkpointing.py", "midpoints.py") and name not in ("attachment_before_forward", "attachment_after_forward")]
+    assert per_layer == ["_block_forward", "_run", "run_learned"] * len(model), (per_layer, forward)
     assert ckpt_offload.stats()["tensors_offloaded"] == len(model) - 1  # the last one kept on the device
     assert core.fired - fired == len(model)  # every midpoint hook ran, in C++
     assert ckpt_offload.stats()["reloads_on_demand"] == 0  # every reload was started ahead, from a midpoint
