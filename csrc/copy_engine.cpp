@@ -241,6 +241,12 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
     span = src.numel();
   }
   h->span_elems_ = span;
+  // Dense: the strides at::empty gives its shape (a size-1 dimension's stride included), over its span.
+  h->dense_ = span == src.numel();
+  for (int64_t d = static_cast<int64_t>(h->sizes_.size()) - 1, expected = 1; d >= 0 && h->dense_; --d) {
+    h->dense_ = h->strides_[d] == expected;
+    expected *= std::max<int64_t>(h->sizes_[d], 1);
+  }
   h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
 
   std::vector<at::Tensor> garbage;  // destroyed after the lock below is released
@@ -325,7 +331,8 @@ at::Tensor CopyEngine::allocate_dest(const OffloadHandle& h) {
   // On the current stream of the handle's device: the memory belongs to the stream that uses it.
   c10::OptionalDeviceGuard guard;
   if (cuda_) guard.reset_device(device_);
-  return at::empty({h.span_elems_}, at::TensorOptions().dtype(h.dtype_).device(h.device_));
+  const auto options = at::TensorOptions().dtype(h.dtype_).device(h.device_);
+  return h.dense_ ? at::empty(h.sizes_, options) : at::empty({h.span_elems_}, options);
 }
 
 at::Tensor CopyEngine::lock_with_dest(const OffloadHandle& h, std::unique_lock<std::mutex>& lock) {
@@ -464,6 +471,7 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h, bool keep_host) {
   // Fetched on another stream than the one that allocated it: tell the allocator, or the memory
   // could be reused while this stream still reads it.
   if (other_stream) dest.record_stream(current_stream);
+  if (h->dense_) return dest;  // allocated in its own shape
   return dest.as_strided(h->sizes_, h->strides_, dest.storage_offset());
 }
 

@@ -93,6 +93,7 @@ class OffloadHandle {
   int64_t span_elems_ = 0;
   size_t nbytes_ = 0;
   bool compacted_ = false;
+  bool dense_ = false;  // contiguous over its span: a reload is allocated in its shape, no view over a span
   bool fetched_ = false;  // fetched at least once (with keep_host): its release is no "release unfetched"
   HandleState state_ = HandleState::kOnHost;
   std::shared_ptr<HostBlock> block_;

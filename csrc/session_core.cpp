@@ -807,6 +807,8 @@ torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::v
 // and format an AttributeError each time).
 enum HookKind : int { kPack = 0, kPackKept = 1, kUnpack = 2 };
 
+PyTypeObject* packed_type = nullptr;  // the Python type of Packed, set where it is bound
+
 struct SavedHook {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -824,12 +826,13 @@ PyObject* saved_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, 
   }
   try {
     if (h->kind != kUnpack) return h->core->pack(py::handle(args[0]), h->kind == kPackKept).release().ptr();
-    py::detail::make_caster<PackedPtr> packed;
-    if (!packed.load(py::handle(args[0]), /*convert=*/false)) {
+    if (Py_TYPE(args[0]) != packed_type) {
       PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
       return nullptr;
     }
-    return h->core->unpack(py::detail::cast_op<PackedPtr>(packed)).release().ptr();
+    // The holder read off the instance itself (a Packed is always made by pack, never subclassed).
+    auto vh = reinterpret_cast<py::detail::instance*>(args[0])->get_value_and_holder();
+    return h->core->unpack(vh.holder<PackedPtr>()).release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
@@ -885,7 +888,9 @@ void bind_session_core(py::module_& m) {
       .def_readonly("group", &Record::group)
       .def_readonly("prefetched", &Record::prefetched)
       .def_readonly("users", &Record::users);
-  py::class_<Packed, PackedPtr>(m, "Packed", "What autograd keeps for one saved tensor of an OffloadSession")
+  auto packed = py::class_<Packed, PackedPtr>(m, "Packed", "What autograd keeps for one saved tensor of an OffloadSession");
+  packed_type = reinterpret_cast<PyTypeObject*>(packed.ptr());
+  packed
       .def_property_readonly("kept", [](const Packed& p) { return p.kept ? p.kept : py::none(); },
                              "The tensor while it stays on the device, else None")
       .def_readonly("record", &Packed::record, "Its SessionRecord once offloaded, else None")

@@ -84,6 +84,21 @@ def test_roundtrip_layouts(device):
             assert not h.compacted, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dense_tensor_comes_back_in_its_own_shape_and_any_other_as_a_view_of_its_span(device):
+    # A reload of a tensor laid out as at::empty lays out its shape is allocated in that shape (no view
+    # over a span for autograd to track); any other layout, a size-1 dimension's odd stride included,
+    # comes back as a view with its own strides.
+    eng = engine(device)
+    base = make((6, 8, 10), torch.float32, device)
+    for t in (base, base[2:5], make((6, 1), torch.float32, device)):
+        _, out = roundtrip(eng, t)
+        assert not out._is_view() and out.stride() == t.stride()
+    for t in (base.transpose(0, 2), make((6, 1), torch.float32, device).as_strided((6, 1), (1, 0))):
+        _, out = roundtrip(eng, t)
+        assert out._is_view() and out.stride() == t.stride()
+
+
 def test_roundtrip_large_tensor():
     eng = engine("cpu")
     t = torch.arange(64 * MiB, dtype=torch.float32)  # 256 MiB
