@@ -326,12 +326,14 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
 
   // -- reloads --------------------------------------------------------------------------------
   // Starts the reloads held by a reload point (called from the middle of a layer's backward).
-  void flush() {
+  // later: where given, the reloads to start are left there for the caller, who starts them once it
+  // has let go of the GIL (the midpoint hook), else they start here.
+  void flush(std::vector<RecordPtr>* later = nullptr) {
     auto it = pending_.find(std::this_thread::get_id());
     if (it == pending_.end()) return;
     const Pending held = it->second;
     pending_.erase(it);
-    if (held.task == graph_task()) prefetch_before(held.seq);  // else left by an earlier backward
+    if (held.task == graph_task()) prefetch_before(held.seq, later);  // else left by an earlier backward
   }
 
   bool arm(py::handle node_obj) {
@@ -703,7 +705,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   // Start the reloads backward needs next: records packed before position seq in the same forward,
   // nearest first. With a disk tier, the `read_ahead` units after those start their reads from disk
   // into host memory, so the reload finds them there.
-  void prefetch_before(int64_t seq) {
+  void prefetch_before(int64_t seq, std::vector<RecordPtr>* later = nullptr) {
     if (prefetch <= 0 || records_.empty()) return;
     const int64_t task = graph_task();
     int64_t ahead = ahead_.second;
@@ -757,6 +759,8 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     if (!todo.empty()) {
       if (naming()) {
         for (auto& r : todo) named(r->engine, r->group, false).attr("prefetch")(r->handle);
+      } else if (later != nullptr && reads.empty()) {  // the disk tier's reads go after the reloads
+        later->insert(later->end(), std::make_move_iterator(todo.begin()), std::make_move_iterator(todo.end()));
       } else {
         py::gil_scoped_release nogil;
         for (auto& r : todo) r->engine->prefetch(r->handle);
@@ -793,10 +797,20 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
 };
 
 torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::variable_list& grads) {
-  WithGil gil;  // before the core: if it is the last reference, it goes under the GIL
-  if (auto core = core_.lock()) {
-    core->fired += 1;
-    core->flush();
+  std::vector<RecordPtr> reloads;  // started after the GIL is let go: one taking of it per hook
+  {
+    WithGil gil;  // before the core: if it is the last reference, it goes under the GIL
+    if (auto core = core_.lock()) {
+      core->fired += 1;
+      core->flush(&reloads);
+    }
+  }
+  if (reloads.empty()) return grads;
+  if (PyGILState_Check()) {  // a hook run holding the GIL: the engine is never called with it
+    py::gil_scoped_release nogil;
+    for (auto& r : reloads) r->engine->prefetch(r->handle);
+  } else {
+    for (auto& r : reloads) r->engine->prefetch(r->handle);
   }
   return grads;
 }
