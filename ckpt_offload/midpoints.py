@@ -162,9 +162,7 @@ class Midpoints:
 
     def rearm(self, block, out, armed):
         """A learned block's path did not lead to a node from out (SessionCore.arm_path's armed: 0, this
-        graph does not match; -1, out is no plain tensor with a grad_fn; 2, nothing to hook)."""
-        if armed == 2:
-            return
+        graph does not match; -1, out is no plain tensor with a grad_fn)."""
         start = _grad_node(out)
         node = self.walks[block].follow(start) if armed == -1 else None
         if node is None:

@@ -4,6 +4,7 @@
 #include "copy_engine.h"
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/util/strides.h>
 
 #include <cerrno>
 #include <algorithm>
@@ -242,11 +243,7 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   }
   h->span_elems_ = span;
   // Dense: the strides at::empty gives its shape (a size-1 dimension's stride included), over its span.
-  h->dense_ = span == src.numel();
-  for (int64_t d = static_cast<int64_t>(h->sizes_.size()) - 1, expected = 1; d >= 0 && h->dense_; --d) {
-    h->dense_ = h->strides_[d] == expected;
-    expected *= std::max<int64_t>(h->sizes_[d], 1);
-  }
+  h->dense_ = span == src.numel() && c10::IntArrayRef(h->strides_) == c10::IntArrayRef(c10::contiguous_strides(h->sizes_));
   h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
 
   std::vector<at::Tensor> garbage;  // destroyed after the lock below is released

@@ -806,12 +806,9 @@ torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::v
     }
   }
   if (reloads.empty()) return grads;
-  if (PyGILState_Check()) {  // a hook run holding the GIL: the engine is never called with it
-    py::gil_scoped_release nogil;
-    for (auto& r : reloads) r->engine->prefetch(r->handle);
-  } else {
-    for (auto& r : reloads) r->engine->prefetch(r->handle);
-  }
+  std::optional<py::gil_scoped_release> nogil;  // a hook run holding the GIL: the engine is never called with it
+  if (PyGILState_Check()) nogil.emplace();
+  for (auto& r : reloads) r->engine->prefetch(r->handle);
   return grads;
 }
 
@@ -946,9 +943,6 @@ void bind_session_core(py::module_& m) {
       .def_readwrite("group", &SessionCore::group)
       .def_readonly("misses", &SessionCore::misses)
       .def_readonly("fired", &SessionCore::fired, "How many midpoint hooks (arm) autograd reached")
-      .def("pack", [](SessionCore& c, py::handle t) { return c.pack(t, false); }, py::arg("tensor"))
-      .def("pack_kept", [](SessionCore& c, py::handle t) { return c.pack(t, true); }, py::arg("tensor"))
-      .def("unpack", &SessionCore::unpack, py::arg("packed"))
       .def("hook", &make_hook, py::arg("kind"),
            "The saved-tensor hook autograd calls: 0 pack, 1 pack_kept, 2 unpack (see SavedHook)")
       .def("is_candidate", [](SessionCore& c, py::handle t) {
@@ -959,7 +953,6 @@ void bind_session_core(py::module_& m) {
       .def("new_forward", &SessionCore::new_forward)
       .def("end", &SessionCore::end)
       .def("poll", &SessionCore::poll)
-      .def("flush", &SessionCore::flush)
       .def("arm", &SessionCore::arm, py::arg("node"),
            "Hooks node (a grad_fn): autograd reaching it starts the reloads held back; False when it is none")
       .def("arm_path", &SessionCore::arm_path, py::arg("path"), py::arg("out"),
