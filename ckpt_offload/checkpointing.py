@@ -230,7 +230,13 @@ def _decorator(offload, session, options):
 
         @functools.wraps(function)
         def checkpointed(*args, **kwargs):
-            return checkpoint(function, *args, offload=offload, session=session, **options, **kwargs)
+            # A call's keywords are the function's, whatever their names (preserve_rng_state,
+            # use_reentrant, offload, ...): bound to it here, they never meet the options.
+            if kwargs:
+                warn_kwarg_tensors(kwargs)
+                return checkpoint(functools.partial(function, **kwargs), *args, offload=offload, session=session,
+                                  **options)
+            return checkpoint(function, *args, offload=offload, session=session, **options)
 
         return checkpointed
 

@@ -41,6 +41,10 @@ _storage_key = getattr(_tuc, "_sac_storage_key", None)
 # torch 2.14 hands the policy the op's output (ctx.op_output); 2.11's context has only is_recompute.
 _CONTEXT_HAS_OUTPUT = _Context is not None and "op_output" in inspect.signature(_Context.__init__).parameters
 _CONSUMED = object()
+# The recompute of a selectively checkpointed function ran an op the forward did not (torch's words
+# for it, "not found in storage", lead the message).
+_MISMATCH = ("A selectively checkpointed function must run the same ops in its forward and its recompute: "
+             "no dependence on global state or randomness outside torch's RNG.")
 
 
 def require(where: str) -> None:
@@ -340,10 +344,15 @@ class _Cached(_CachedBase):
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1
         entries = self.storage.get(key)
-        if entries is None or i >= len(entries):
+        if entries is None:
             raise RuntimeError(
-                f"checkpoint: {func} ran {i + 1} times in the recompute but fewer times in the forward; a "
-                "selectively checkpointed function must run the same ops in both (no dependence on global state)"
+                f"checkpoint: {func} encountered during backward but not found in storage: it ran in the "
+                f"recompute but not in the forward. {_MISMATCH}"
+            )
+        if i >= len(entries):
+            raise RuntimeError(
+                f"checkpoint: {func} invocation index {i} encountered during backward but not found in storage: "
+                f"the recompute ran it {i + 1} times, the forward {len(entries)}. {_MISMATCH}"
             )
         entry = entries[i]
         if entry is None:

@@ -276,6 +276,33 @@ def test_modified_saved_output_and_second_backward_are_errors():
         out.sum().backward()
 
 
+def test_a_recompute_that_runs_other_ops_than_the_forward_is_an_error_in_torch_words():
+    # torch's SAC says "not found in storage" (its own tests match on it); ours says which op, which
+    # call of it, and how often each pass ran it. Both under ckpt_offload's modes and offloading.
+    x, w = inputs("cpu")
+    policy = policy_marking(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    for extra, message in ((torch.exp, "aten.exp.default encountered during backward but not found in storage: "
+                                       "it ran in the recompute but not in the forward"),
+                           (torch.sin, "aten.sin.default invocation index 1 encountered during backward but not "
+                                       "found in storage: the recompute ran it 2 times, the forward 1")):
+        calls = [0]
+
+        def changes(a, b):
+            calls[0] += 1
+            y = torch.sin(a @ b)
+            if calls[0] > 1:  # the recompute only
+                y = extra(y)
+            return y @ b
+
+        out = ckpt_offload.checkpoint(changes, x, w, context_fn=sac(policy))
+        with pytest.raises(RuntimeError, match=message):
+            out.sum().backward()
+        calls[0] = 0
+        torch_out = tuc.checkpoint(changes, x, w, use_reentrant=False, context_fn=sac(policy))
+        with pytest.raises(RuntimeError, match="not found in storage"):  # torch's own, for comparison
+            torch_out.sum().backward()
+
+
 def test_policy_argument_errors_and_the_torch_version_gate(monkeypatch):
     model = make_model(layers=3)
     with pytest.raises(ValueError, match="policy must be one of \\['attention'\\]"):

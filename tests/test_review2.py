@@ -112,6 +112,24 @@ def test_checkpoint_works_as_a_decorator():
     assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
     with pytest.raises(ValueError, match="without a function it takes only checkpoint options"):
         ckpt_offload.checkpoint(prefetch=2)
+
+
+def test_a_decorated_function_takes_keywords_named_like_checkpoint_options():
+    # The options are given when decorating; a call's keywords all go to the function, even one
+    # named preserve_rng_state, use_reentrant, offload or session.
+    def fn(a, preserve_rng_state, use_reentrant, context_fn, determinism_check, debug, early_stop, offload, session):
+        return (a.sin() * preserve_rng_state * use_reentrant * context_fn * determinism_check * debug * early_stop
+                * offload * session)
+
+    names = dict(preserve_rng_state=2, use_reentrant=3, context_fn=5, determinism_check=7, debug=11, early_stop=13,
+                 offload=17, session=19)
+    a = torch.randn(8, 64, requires_grad=True)
+    ckpt_offload.reset_stats()
+    out = ckpt_offload.checkpoint(preserve_rng_state=False)(fn)(a * 1, **names)
+    (got,) = torch.autograd.grad(out.sum(), (a,))
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1  # a * 1, still offloaded
+    (want,) = torch.autograd.grad(fn(a * 1, **names).sum(), (a,))
+    assert torch.equal(got, want)
     with pytest.raises(TypeError, match="offload must be True or False"):
         ckpt_offload.checkpoint(offload="yes")
     with pytest.raises(TypeError, match="the decorated object must be callable"):
