@@ -15,6 +15,7 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -262,6 +263,11 @@ def build_parser():
                    help="also profile that mode with cProfile after the timed rounds (e.g. checkpoint:enable(offload=True))")
     p.add_argument("--profile-steps", type=int, default=20, help="steps of the --profile run (default 20)")
     p.add_argument("--profile-top", type=int, default=25, help="functions the --profile run prints (default 25)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the whole benchmark this many times, each in a fresh process, and judge the targets "
+                        "by the median of the processes' ratios (default 1: this process). A process's model "
+                        "instances and their memory layout move its ratios as a whole; more rounds do not average "
+                        "that out, more processes do")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="directory for bench_host.json (default: benchmarks/out)")
     return p
@@ -274,7 +280,7 @@ def parse_args(argv=None):
     unknown = set(a.group_list) - set(GROUPS)
     if unknown:
         p.error(f"--groups: unknown groups {sorted(unknown)}; choose from {sorted(GROUPS)}")
-    for name in ("rounds", "warmup", "layers", "decoder_layers", "hf_layers", "seq", "profile_steps"):
+    for name in ("rounds", "warmup", "layers", "decoder_layers", "hf_layers", "seq", "profile_steps", "processes"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = [f"{g}:{m}" for g in a.group_list for m in GROUPS[g][2]]
@@ -290,6 +296,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.processes > 1:
+        return run_processes(a, sys.argv[1:] if argv is None else list(argv))
     cuda = a.cuda
     device = select_device(cuda)
     t0 = time.monotonic()
@@ -338,11 +346,107 @@ def main(argv=None):
     return 0
 
 
+def _without(argv, *options):
+    """argv less the given options and their values (--opt v and --opt=v)."""
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+        elif tok in options:
+            skip = True
+        elif not any(tok.startswith(o + "=") for o in options):
+            out.append(tok)
+    return out
+
+
+def run_processes(a, argv):
+    """The benchmark a.processes times, each run in a fresh process (its own models, allocations and
+    memory layout), then one report: each mode's ratio is the median of the processes' ratios, and
+    so is each target's value; the rounds of every process are pooled for the times shown."""
+    t0 = time.monotonic()
+    child = [sys.executable, os.path.abspath(__file__), *_without(argv, "--processes", "--out", "--profile")]
+    results = []
+    for i in range(a.processes):
+        out = os.path.join(a.out, f"process{i + 1}")
+        cmd = child + ["--out", out] + (["--profile", a.profile] if a.profile and i == a.processes - 1 else [])
+        start = time.monotonic()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        path = os.path.join(out, "bench_host.json")
+        if p.returncode not in (0, 3) or not os.path.exists(path):
+            print(f"process {i + 1}/{a.processes} failed (exit {p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+            return 1
+        with open(path) as f:
+            results.append(json.load(f))
+        values = ", ".join(f"{t['mode']} {fmt_ratio(t['value'])}" for t in results[-1]["targets"])
+        print(f"process {i + 1}/{a.processes}: {values} ({time.monotonic() - start:.1f} s)", flush=True)
+    result = combine(results, a)
+    result["elapsed_s"] = time.monotonic() - t0
+    json_path = os.path.join(a.out, "bench_host.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print()
+    print_report(result, a.cuda)
+    if result["profile"]:
+        print(f"\ncProfile of {a.profile} (last process), {a.profile_steps} steps, by own time:\n{result['profile']}")
+    print(f"\nJSON: {json_path} (each process's under process1..{a.processes}); {result['elapsed_s']:.1f} s")
+    if result["problems"]:
+        print("CHECKS FAILED:\n  " + "\n  ".join(result["problems"]))
+        return 3
+    return 0
+
+
+def combine(results, a):
+    """One bench_host result from several processes' (see run_processes)."""
+    first = results[0]
+    key = first["judged"]
+    rows = []
+    for r0 in first["rows"]:
+        same = [next(r for r in res["rows"] if (r["group"], r["mode"]) == (r0["group"], r0["mode"])) for res in results]
+        if any(key not in r for r in same):
+            rows.append(dict(group=r0["group"], mode=r0["mode"],
+                             error="; ".join(r["error"] for r in same if "error" in r)))
+            continue
+        row = dict(group=r0["group"], mode=r0["mode"], reference=r0.get("reference"),
+                   tensors_offloaded_per_step=r0["tensors_offloaded_per_step"],
+                   bytes_offloaded_per_step=r0["bytes_offloaded_per_step"])
+        for k in ("host_ms", "cpu_ms"):
+            row[f"{k}_all"] = [x for r in same for x in r[f"{k}_all"]]
+            row[k] = summarize([{k: x} for x in row[f"{k}_all"]], k)
+        device = [r["device_ms"] for r in same if r.get("device_ms")]
+        row["device_ms"] = dict(median=statistics.median(d["median"] for d in device)) if device else None
+        if "ratio" in r0:
+            row["ratio_processes"] = [r["ratio"] for r in same]
+            row["ratio"] = statistics.median(row["ratio_processes"])
+            row["us_per_layer_above_reference"] = statistics.median(r["us_per_layer_above_reference"] for r in same)
+            row["ratio_paired"] = [min(r["ratio_paired"][0] for r in same), max(r["ratio_paired"][1] for r in same)]
+        if "host_bound" in r0:
+            row["host_bound"] = statistics.median(r["host_bound"] for r in same) >= 0.5
+        rows.append(row)
+    targets = []
+    for t0 in first["targets"]:
+        values = [next(t["value"] for t in res["targets"] if t["mode"] == t0["mode"]) for res in results]
+        if any(v is None for v in values):
+            targets.append(dict(t0, values=values))
+            continue
+        value = statistics.median(values)
+        targets.append(dict(t0, value=value, met=value <= t0["threshold"], values=values,
+                            met_in=sum(v <= t0["threshold"] for v in values)))
+    problems = sorted({f"process {i + 1}: {p}" for i, res in enumerate(results) for p in res["problems"]})
+    config = dict(first["config"], processes=a.processes, out=a.out)
+    return dict(kind="bench_host", judged=key, timing=first["timing"], hardware=first["hardware"], config=config,
+                layers=first["layers"], rows=rows, targets=targets, problems=problems, notes=first["notes"],
+                profile=results[-1]["profile"], processes=results)
+
+
 def print_report(result, cuda):
     cfg, layers, key = result["config"], result["layers"], result["judged"]
+    processes = cfg.get("processes", 1)
     print(textwrap.fill(
         f"host time of one step (forward + backward), median of {cfg['rounds']} rounds, modes timed round-robin "
-        f"in rotated order; seq {cfg['seq']}, batch 1, float32; "
+        f"in rotated order; "
+        + (f"{processes} processes, each mode's ratio the median of theirs, times pooled over their rounds; "
+           if processes > 1 else "")
+        + f"seq {cfg['seq']}, batch 1, float32; "
         + ("GPU: host wall time (perf_counter), device time (CUDA events)" if cuda else
            f"{CPU_LABEL}: the process's CPU time is judged (wall time beside it); noisy from run to run"),
         width=120))
@@ -373,18 +477,27 @@ def print_report(result, cuda):
             table.append(line)
         print_table(headers, table)
     print("\n" + textwrap.fill(
-        "* /ref: median host time over the reference's; rounds: range of the ratios of paired rounds; us/layer: "
+        ("* /ref: median host time over the reference's" if processes == 1 else
+         "* /ref: the median of the processes' ratios, each its median host time over the reference's")
+        + "; rounds: range of the ratios of paired rounds; us/layer: "
         "microseconds per layer above the reference; offloaded: tensors ckpt_offload moved in a step"
         + ("; host-bound: device time within 10% of host time (the device waited for the host)" if cuda else
            "; wall ms: median wall time, which on a shared CPU includes waiting for a core"),
         width=120, subsequent_indent="  "))
     for n in result["notes"]:
         print(n)
-    print("\ntargets (host time over the reference's" + ("" if cuda else ", CPU time on this CPU run") + "):")
+    print("\ntargets (host time over the reference's" + ("" if cuda else ", CPU time on this CPU run")
+          + (f"; the median of {processes} processes" if processes > 1 else "") + "):")
     verdict = lambda t: "met" if t["met"] else ("MISSED" if t["met"] is False else "n/a")  # noqa: E731
-    print_table(["mode", "reference", "value", "threshold", "verdict"],
-                [[t["mode"], t["reference"], fmt_ratio(t["value"]), f"{t['threshold']:.2f}x", verdict(t)]
-                 for t in result["targets"]])
+    headers = ["mode", "reference", "value", "threshold", "verdict"]
+    table = [[t["mode"], t["reference"], fmt_ratio(t["value"]), f"{t['threshold']:.2f}x", verdict(t)]
+             for t in result["targets"]]
+    if processes > 1:
+        headers += ["met in", "each process"]
+        for line, t in zip(table, result["targets"]):
+            line += [f"{t['met_in']} of {processes}" if "met_in" in t else "n/a",
+                     " ".join(fmt_ratio(v) for v in t["values"] if v is not None)]
+    print_table(headers, table)
     missed = [t["mode"] for t in result["targets"] if t["met"] is False]
     if missed:
         print("TARGETS MISSED: " + ", ".join(missed) + ("" if cuda else " (CPU timings are noisy: rerun to confirm)"))

@@ -73,6 +73,34 @@ def test_breakdown_switches_off_what_each_of_its_modes_names(tmp_path):
     assert bad.returncode == 2 and "--breakdown" in bad.stderr
 
 
+def test_processes_judge_by_the_median_of_fresh_processes(tmp_path):
+    # --processes 3: three full runs, each in its own process; a mode's ratio and a target's value
+    # are the medians of the three processes' own, their rounds pooled for the times.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("CKPT_OFFLOAD_TEST_CPU", None)
+    cmd = [sys.executable, "benchmarks/bench_host.py", "--groups", "checkpoint", "--rounds", "2", "--warmup", "1",
+           "--layers", "3", "--processes", "3", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.load(open(tmp_path / "bench_host.json"))
+    each = [json.load(open(tmp_path / f"process{i}" / "bench_host.json")) for i in (1, 2, 3)]
+    assert result["processes"] == each and result["problems"] == []
+    for r in result["rows"]:
+        own = [next(x for x in e["rows"] if x["mode"] == r["mode"]) for e in each]
+        assert r["cpu_ms_all"] == [t for x in own for t in x["cpu_ms_all"]]
+        if r["mode"] != "torch_checkpoint":
+            assert r["ratio_processes"] == [x["ratio"] for x in own]
+            assert r["ratio"] == sorted(r["ratio_processes"])[1]
+    for t in result["targets"]:
+        if t["group"] != "checkpoint":
+            assert t["met"] is None
+            continue
+        own = [next(x for x in e["targets"] if x["mode"] == t["mode"])["value"] for e in each]
+        assert t["values"] == own and t["value"] == sorted(own)[1]
+        assert t["met"] == (t["value"] <= t["threshold"]) and t["met_in"] == sum(v <= t["threshold"] for v in own)
+    assert "the median of 3 processes" in p.stdout and p.stdout.count("process ") >= 3
+
+
 def row(group, mode, times, device=None):
     return dict(group=group, mode=mode, host_ms=dict(median=sorted(times)[len(times) // 2], min=min(times),
                                                      max=max(times)),
