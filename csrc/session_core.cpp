@@ -166,6 +166,8 @@ struct Packed {
   }
 };
 using PackedPtr = std::shared_ptr<Packed>;
+// The Python object autograd holds for a Packed (a PackedObject, below): made once per saved tensor.
+py::object wrap_packed(PackedPtr p);
 
 class SessionCore;
 
@@ -210,19 +212,19 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     p->group = group;
     if (!offload) {
       keep_detached(*p, obj, t);
-      return py::cast(p);
+      return wrap_packed(std::move(p));
     }
     next_seq_ += 1;
     if (keep) {
       keep_detached(*p, obj, t);
-      return py::cast(p);
+      return wrap_packed(std::move(p));
     }
     // Sent now, or from the keep-last queue: held detached only once it stays (the pool refused it,
     // or the forward ended with it in the queue).
     p->kept = py::reinterpret_borrow<py::object>(obj);
     if (keep_last == 0) {
       send(*p);
-      return py::cast(p);
+      return wrap_packed(std::move(p));
     }
     // The newest keep_last candidates wait on the device; the oldest of them goes now.
     if (t.is_cuda()) p->stream = c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device());
@@ -232,7 +234,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
       deferred_.pop_front();
       send(*oldest);
     }
-    return py::cast(p);
+    return wrap_packed(std::move(p));
   }
 
   py::object unpack(const PackedPtr& p) {
@@ -464,7 +466,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   }
 
   [[noreturn]] void raise_modified(const PackedPtr& p, int64_t now) {
-    py::object err = parts().modified_error(py::cast(p), now);
+    py::object err = parts().modified_error(wrap_packed(p), now);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
     throw py::error_already_set();
   }
@@ -818,7 +820,123 @@ torch::autograd::variable_list MidpointHook::operator()(const torch::autograd::v
 // and format an AttributeError each time).
 enum HookKind : int { kPack = 0, kPackKept = 1, kUnpack = 2 };
 
-PyTypeObject* packed_type = nullptr;  // the Python type of Packed, set where it is bound
+// Packed's Python type: a plain object holding the PackedPtr, made and freed without pybind's
+// instance registry (once per saved tensor, both ways); its attributes are read-only but version.
+struct PackedObject {
+  PyObject_HEAD
+  PackedPtr p;
+};
+
+template <typename F>
+PyObject* translated(F&& f) {
+  try {
+    return f().release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+const Packed& packed_of(PyObject* self) { return *reinterpret_cast<PackedObject*>(self)->p; }
+
+PyObject* packed_kept(PyObject* self, void*) {
+  const Packed& p = packed_of(self);
+  return py::object(p.kept ? p.kept : py::none()).release().ptr();
+}
+
+PyObject* packed_record(PyObject* self, void*) {
+  return translated([&] { return packed_of(self).record ? py::cast(packed_of(self).record) : py::none(); });
+}
+
+PyObject* packed_seq(PyObject* self, void*) { return PyLong_FromLongLong(packed_of(self).seq); }
+PyObject* packed_group(PyObject* self, void*) { return PyLong_FromLongLong(packed_of(self).group); }
+PyObject* packed_version(PyObject* self, void*) { return PyLong_FromLongLong(packed_of(self).version); }
+
+int packed_set_version(PyObject* self, PyObject* value, void*) {
+  if (value == nullptr || !PyLong_Check(value)) {
+    PyErr_SetString(PyExc_TypeError, "Packed.version: an int is needed");
+    return -1;
+  }
+  const long long v = PyLong_AsLongLong(value);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  reinterpret_cast<PackedObject*>(self)->p->version = v;
+  return 0;
+}
+
+PyObject* packed_current_version(PyObject* self, void*) {
+  return translated([&] { return py::int_(packed_of(self).current_version()); });
+}
+
+PyObject* packed_copy(PyObject* self, void*) {
+  // (dtype, device, shape) of what unpack returns for an offloaded tensor, else None.
+  return translated([&]() -> py::object {
+    const Packed& p = packed_of(self);
+    if (!p.record) return py::none();
+    const auto& h = *p.record->handle;
+    std::vector<int64_t> shape = p.has_view ? p.view_size : h.sizes();
+    py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(h.dtype())));
+    return py::make_tuple(dtype, py::cast(h.device()), shape);
+  });
+}
+
+PyObject* packed_source(PyObject* self, void*) {
+  // The offloaded tensor while it lives elsewhere, else None.
+  return translated([&]() -> py::object {
+    const Packed& p = packed_of(self);
+    if (!p.source) return py::none();
+    auto impl = p.source->lock();
+    if (!impl) return py::none();
+    return py::cast(at::Tensor(std::move(impl)));
+  });
+}
+
+PyGetSetDef packed_getset[] = {
+    {"kept", packed_kept, nullptr, "The tensor while it stays on the device, else None", nullptr},
+    {"record", packed_record, nullptr, "Its SessionRecord once offloaded, else None", nullptr},
+    {"seq", packed_seq, nullptr, "Pack position: a kept tensor's reload point for what was packed before it", nullptr},
+    {"group", packed_group, nullptr, "Which layer (hooks() context, checkpoint call) packed it", nullptr},
+    {"version", packed_version, packed_set_version, "The version unpack expects (autograd's in-place check)",
+     nullptr},
+    {"current_version", packed_current_version, nullptr, "The saved tensor's version now", nullptr},
+    {"copy", packed_copy, nullptr, "(dtype, device, shape) of what unpack returns once offloaded, else None",
+     nullptr},
+    {"source", packed_source, nullptr, "The offloaded tensor while it lives elsewhere, else None", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+void packed_dealloc(PyObject* self) {
+  // ~Packed may drop the tensor it kept: the GIL is held here.
+  reinterpret_cast<PackedObject*>(self)->p.~PackedPtr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* packed_repr(PyObject* self) {
+  const Packed& p = packed_of(self);
+  return PyUnicode_FromFormat("<ckpt_offload Packed seq=%lld group=%lld %s>", static_cast<long long>(p.seq),
+                              static_cast<long long>(p.group),
+                              p.record ? "offloaded" : (p.kept ? "on the device" : "kept detached"));
+}
+
+PyTypeObject packed_object_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "ckpt_offload._C.Packed";
+  t.tp_basicsize = sizeof(PackedObject);
+  t.tp_dealloc = packed_dealloc;
+  t.tp_repr = packed_repr;
+  t.tp_getset = packed_getset;
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "What autograd keeps for one saved tensor of an OffloadSession (made by its pack hook)";
+  return t;
+}();
+
+py::object wrap_packed(PackedPtr p) {
+  auto* o = PyObject_New(PackedObject, &packed_object_type);
+  if (o == nullptr) throw py::error_already_set();
+  new (&o->p) PackedPtr(std::move(p));
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
+}
+
+PyTypeObject* const packed_type = &packed_object_type;
 
 struct SavedHook {
   PyObject_HEAD
@@ -841,9 +959,7 @@ PyObject* saved_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, 
       PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
       return nullptr;
     }
-    // The holder read off the instance itself (a Packed is always made by pack, never subclassed).
-    auto vh = reinterpret_cast<py::detail::instance*>(args[0])->get_value_and_holder();
-    return h->core->unpack(vh.holder<PackedPtr>()).release().ptr();
+    return h->core->unpack(reinterpret_cast<PackedObject*>(args[0])->p).release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
@@ -899,33 +1015,9 @@ void bind_session_core(py::module_& m) {
       .def_readonly("group", &Record::group)
       .def_readonly("prefetched", &Record::prefetched)
       .def_readonly("users", &Record::users);
-  auto packed = py::class_<Packed, PackedPtr>(m, "Packed", "What autograd keeps for one saved tensor of an OffloadSession");
-  packed_type = reinterpret_cast<PyTypeObject*>(packed.ptr());
-  packed
-      .def_property_readonly("kept", [](const Packed& p) { return p.kept ? p.kept : py::none(); },
-                             "The tensor while it stays on the device, else None")
-      .def_readonly("record", &Packed::record, "Its SessionRecord once offloaded, else None")
-      .def_readonly("seq", &Packed::seq)
-      .def_readonly("group", &Packed::group)
-      .def_readwrite("version", &Packed::version, "The version unpack expects (autograd's in-place check)")
-      .def_property_readonly("current_version", &Packed::current_version)
-      .def_property_readonly(
-          "copy", [](const Packed& p) -> py::object {
-            // (dtype, device, shape) of what unpack returns for an offloaded tensor, else None.
-            if (!p.record) return py::none();
-            const auto& h = *p.record->handle;
-            std::vector<int64_t> shape = p.has_view ? p.view_size : h.sizes();
-            py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(h.dtype())));
-            return py::make_tuple(dtype, py::cast(h.device()), shape);
-          })
-      .def_property_readonly(
-          "source", [](const Packed& p) -> py::object {
-            // The offloaded tensor while it lives elsewhere, else None.
-            if (!p.source) return py::none();
-            auto impl = p.source->lock();
-            if (!impl) return py::none();
-            return py::cast(at::Tensor(std::move(impl)));
-          });
+  if (PyType_Ready(&packed_object_type) < 0) throw py::error_already_set();
+  Py_INCREF(&packed_object_type);
+  m.add_object("Packed", py::handle(reinterpret_cast<PyObject*>(&packed_object_type)));
 
   py::class_<SessionCore, std::shared_ptr<SessionCore>>(m, "SessionCore",
                                                         "An OffloadSession's hooks and records (session.py)")

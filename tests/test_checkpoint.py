@@ -353,6 +353,38 @@ def _packed_session(n, prefetch, prefetch_bytes=None):
     return session, xs, packed
 
 
+def test_what_pack_returns_is_a_packed_with_its_copy_and_versions():
+    session = ckpt_offload.OffloadSession()
+    x = torch.randn(16, 64) * 1
+    session.next_layer()
+    p = session.pack(x)
+    assert type(p) is ckpt_offload._C.Packed and repr(p) == f"<ckpt_offload Packed seq=0 group={p.group} offloaded>"
+    assert p.copy == (torch.float32, x.device, [16, 64]) and p.kept is None and p.record.nbytes == 16 * 64 * 4
+    assert p.source is x and p.version == p.current_version == x._version
+    packed_value = x.clone()
+    x.add_(1)
+    assert p.current_version == p.version + 1  # the version counter of x, followed after the copy
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        session.unpack(p)
+    p.version = p.current_version  # what allow_cache_entry_mutation does (policies)
+    assert torch.equal(session.unpack(p), packed_value)  # the copy: the value packed
+    with pytest.raises(TypeError, match="an int is needed"):
+        p.version = "1"
+    with pytest.raises(AttributeError):
+        p.seq = 3
+    with pytest.raises(TypeError, match="cannot create"):
+        type(p)()
+    with pytest.raises(TypeError):
+        type("Sub", (type(p),), {})
+    kept = session.pack_kept(x)
+    assert kept.kept is x and kept.record is None and kept.copy is None and "on the device" in repr(kept)
+    assert session.unpack(kept) is x
+    with pytest.raises(TypeError, match="expected a Packed, got int"):
+        session.unpack(3)
+    with pytest.raises(TypeError, match="expected a tensor"):
+        session.pack(3)
+
+
 def test_prefetch_depth_in_layers():
     session, xs, packed = _packed_session(6, prefetch=2)
     assert ckpt_offload.stats()["tensors_offloaded"] == 6
