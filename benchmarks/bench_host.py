@@ -380,6 +380,7 @@ def run_processes(a, argv):
         values = ", ".join(f"{t['mode']} {fmt_ratio(t['value'])}" for t in results[-1]["targets"])
         print(f"process {i + 1}/{a.processes}: {values} ({time.monotonic() - start:.1f} s)", flush=True)
     result = combine(results, a)
+    result["hardware"] = dict(result["hardware"], command=" ".join([sys.executable, os.path.abspath(__file__), *argv]))
     result["elapsed_s"] = time.monotonic() - t0
     json_path = os.path.join(a.out, "bench_host.json")
     with open(json_path, "w") as f:
