@@ -362,6 +362,7 @@ def test_what_pack_returns_is_a_packed_with_its_copy_and_versions():
     assert p.copy == (torch.float32, x.device, [16, 64]) and p.kept is None and p.record.nbytes == 16 * 64 * 4
     assert p.source is x and p.version == p.current_version == x._version
     packed_value = x.clone()
+    session.poll()  # the producer waits for the copy before writing x (what allow_cache_entry_mutation does)
     x.add_(1)
     assert p.current_version == p.version + 1  # the version counter of x, followed after the copy
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
