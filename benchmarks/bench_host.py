@@ -364,11 +364,16 @@ def run_processes(a, argv):
     memory layout), then one report: each mode's ratio is the median of the processes' ratios, and
     so is each target's value; the rounds of every process are pooled for the times shown."""
     t0 = time.monotonic()
+    json_path = os.path.join(a.out, "bench_host.json")
+    if os.path.exists(json_path):
+        os.remove(json_path)  # a run that fails leaves no result of an earlier one behind
     child = [sys.executable, os.path.abspath(__file__), *_without(argv, "--processes", "--out", "--profile")]
     results = []
     for i in range(a.processes):
         out = os.path.join(a.out, f"process{i + 1}")
-        cmd = child + ["--out", out] + (["--profile", a.profile] if a.profile and i == a.processes - 1 else [])
+        # --processes 1 last: it wins over any spelling of the option left in (argparse takes prefixes).
+        cmd = child + ["--out", out, "--processes", "1"] + (
+            ["--profile", a.profile] if a.profile and i == a.processes - 1 else [])
         start = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True)
         path = os.path.join(out, "bench_host.json")
@@ -382,7 +387,7 @@ def run_processes(a, argv):
     result = combine(results, a)
     result["hardware"] = dict(result["hardware"], command=" ".join([sys.executable, os.path.abspath(__file__), *argv]))
     result["elapsed_s"] = time.monotonic() - t0
-    json_path = os.path.join(a.out, "bench_host.json")
+    os.makedirs(a.out, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print()
@@ -415,25 +420,30 @@ def combine(results, a):
             row[k] = summarize([{k: x} for x in row[f"{k}_all"]], k)
         device = [r["device_ms"] for r in same if r.get("device_ms")]
         row["device_ms"] = dict(median=statistics.median(d["median"] for d in device)) if device else None
-        if "ratio" in r0:
-            row["ratio_processes"] = [r["ratio"] for r in same]
+        # A ratio where the process's reference ran too (a reference failing in one process leaves
+        # that process out of its group's ratios).
+        judged = [r for r in same if "ratio" in r]
+        if judged:
+            row["ratio_processes"] = [r["ratio"] for r in judged]
             row["ratio"] = statistics.median(row["ratio_processes"])
-            row["us_per_layer_above_reference"] = statistics.median(r["us_per_layer_above_reference"] for r in same)
-            row["ratio_paired"] = [min(r["ratio_paired"][0] for r in same), max(r["ratio_paired"][1] for r in same)]
-        if "host_bound" in r0:
-            row["host_bound"] = statistics.median(r["host_bound"] for r in same) >= 0.5
+            row["us_per_layer_above_reference"] = statistics.median(r["us_per_layer_above_reference"] for r in judged)
+            row["ratio_paired"] = [min(r["ratio_paired"][0] for r in judged), max(r["ratio_paired"][1] for r in judged)]
+        bound = [r["host_bound"] for r in same if "host_bound" in r]
+        if bound:
+            row["host_bound"] = sum(bound) * 2 > len(bound)  # in most processes
         rows.append(row)
     targets = []
     for t0 in first["targets"]:
         values = [next(t["value"] for t in res["targets"] if t["mode"] == t0["mode"]) for res in results]
-        if any(v is None for v in values):
-            targets.append(dict(t0, values=values))
+        if any(v is None for v in values):  # did not run in every process: not judged
+            targets.append(dict(t0, value=None, met=None, values=values,
+                                note="did not run in every process"))
             continue
         value = statistics.median(values)
         targets.append(dict(t0, value=value, met=value <= t0["threshold"], values=values,
                             met_in=sum(v <= t0["threshold"] for v in values)))
     problems = sorted({f"process {i + 1}: {p}" for i, res in enumerate(results) for p in res["problems"]})
-    config = dict(first["config"], processes=a.processes, out=a.out)
+    config = dict(first["config"], processes=a.processes, out=a.out, profile=a.profile)
     return dict(kind="bench_host", judged=key, timing=first["timing"], hardware=first["hardware"], config=config,
                 layers=first["layers"], rows=rows, targets=targets, problems=problems, notes=first["notes"],
                 profile=results[-1]["profile"], processes=results)

@@ -853,11 +853,18 @@ PyObject* packed_group(PyObject* self, void*) { return PyLong_FromLongLong(packe
 PyObject* packed_version(PyObject* self, void*) { return PyLong_FromLongLong(packed_of(self).version); }
 
 int packed_set_version(PyObject* self, PyObject* value, void*) {
-  if (value == nullptr || !PyLong_Check(value)) {
-    PyErr_SetString(PyExc_TypeError, "Packed.version: an int is needed");
+  if (value == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, "Packed.version cannot be deleted");
     return -1;
   }
-  const long long v = PyLong_AsLongLong(value);
+  if (PyBool_Check(value) || !PyIndex_Check(value)) {
+    PyErr_Format(PyExc_TypeError, "Packed.version: an int is needed, got %s", Py_TYPE(value)->tp_name);
+    return -1;
+  }
+  PyObject* index = PyNumber_Index(value);
+  if (index == nullptr) return -1;
+  const long long v = PyLong_AsLongLong(index);
+  Py_DECREF(index);
   if (v == -1 && PyErr_Occurred()) return -1;
   reinterpret_cast<PackedObject*>(self)->p->version = v;
   return 0;
@@ -914,7 +921,7 @@ PyObject* packed_repr(PyObject* self) {
   const Packed& p = packed_of(self);
   return PyUnicode_FromFormat("<ckpt_offload Packed seq=%lld group=%lld %s>", static_cast<long long>(p.seq),
                               static_cast<long long>(p.group),
-                              p.record ? "offloaded" : (p.kept ? "on the device" : "kept detached"));
+                              p.record ? "offloaded" : "on the device");
 }
 
 PyTypeObject packed_object_type = [] {

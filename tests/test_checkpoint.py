@@ -369,8 +369,12 @@ def test_what_pack_returns_is_a_packed_with_its_copy_and_versions():
         session.unpack(p)
     p.version = p.current_version  # what allow_cache_entry_mutation does (policies)
     assert torch.equal(session.unpack(p), packed_value)  # the copy: the value packed
-    with pytest.raises(TypeError, match="an int is needed"):
+    with pytest.raises(TypeError, match="an int is needed, got str"):
         p.version = "1"
+    with pytest.raises(TypeError, match="an int is needed, got bool"):
+        p.version = True
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del p.version
     with pytest.raises(AttributeError):
         p.seq = 3
     with pytest.raises(TypeError, match="cannot create"):

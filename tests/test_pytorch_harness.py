@@ -46,6 +46,10 @@ class TestCheckpoint(unittest.TestCase):
     def test_reentrant_is_not_selected(self):
         x = torch.randn(4, requires_grad=True)
         checkpoint(torch.sin, x, use_reentrant=True).sum().backward()
+
+    def test_literal_named_like_a_case_of_test_literal(self):
+        x = torch.randn(4, requires_grad=True)
+        checkpoint(torch.sin, x, use_reentrant=True).sum().backward()  # reentrant: not selected either
 '''
 
 
@@ -54,7 +58,9 @@ def _run(tmp_path, mode):
     env = dict(os.environ, PYTHON=sys.executable)
     p = subprocess.run(["bash", SCRIPT, str(tmp_path), mode], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
-    stats = json.loads((tmp_path / f"pt_{mode}_stats.json").read_text())
+    stats_path = tmp_path / f"pt_{mode}_stats.json"
+    assert stats_path.exists(), p.stdout[-3000:] + p.stderr[-3000:]  # pytest ran to its end
+    stats = json.loads(stats_path.read_text())
     return p, stats
 
 
@@ -65,7 +71,7 @@ def test_plain_runs_torch_and_redirect_runs_ours(tmp_path):
     p, stats = _run(tmp_path, "redirect")
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 failed, 2 passed" in p.stdout and "FAILED test_utils.py::TestCheckpoint::test_object_identity" in p.stdout
-    assert "test_reentrant_is_not_selected" not in p.stdout
+    assert "test_reentrant_is_not_selected" not in p.stdout and "test_literal_named_like" not in p.stdout
     per_test = stats["per_test_redirected"]
     assert per_test == {f"test_utils.py::TestCheckpoint::{t}": 1 for t in
                         ("test_literal", "test_through_a_helper", "test_object_identity")}, per_test

@@ -112,6 +112,10 @@ def test_checkpoint_works_as_a_decorator():
     assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
     with pytest.raises(ValueError, match="without a function it takes only checkpoint options"):
         ckpt_offload.checkpoint(prefetch=2)
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        ckpt_offload.checkpoint(offload="yes")
+    with pytest.raises(TypeError, match="the decorated object must be callable"):
+        ckpt_offload.checkpoint()(3)
 
 
 def test_a_decorated_function_takes_keywords_named_like_checkpoint_options():
@@ -130,10 +134,6 @@ def test_a_decorated_function_takes_keywords_named_like_checkpoint_options():
     assert ckpt_offload.stats()["tensors_offloaded"] == 1  # a * 1, still offloaded
     (want,) = torch.autograd.grad(fn(a * 1, **names).sum(), (a,))
     assert torch.equal(got, want)
-    with pytest.raises(TypeError, match="offload must be True or False"):
-        ckpt_offload.checkpoint(offload="yes")
-    with pytest.raises(TypeError, match="the decorated object must be callable"):
-        ckpt_offload.checkpoint()(3)
 
 
 # -- retain_graph keeps the offload -----------------------------------------------------------------

@@ -28,9 +28,10 @@ def has_lit(node):
 
 
 def classify(path):
+    """({(class, test): kind} of the selected tests, {(class, test)} of every test method)."""
     src = open(path).read()
     tree = ast.parse(src)
-    out = {}
+    out, every = {}, set()
     for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
         methods = {m.name: ast.get_source_segment(src, m, padded=False) for m in cls.body
                    if isinstance(m, ast.FunctionDef)}
@@ -47,6 +48,7 @@ def classify(path):
         for name, s in methods.items():
             if not name.startswith("test"):
                 continue
+            every.add((cls.name, name))
             if has_lit(nodes[name]):
                 out[(cls.name, name)] = "literal"
                 continue
@@ -56,14 +58,17 @@ def classify(path):
                           'parametrize("use_reentrant"' in deco_src[name]))
             if uses_helper or over_flag:
                 out[(cls.name, name)] = "indirect"
-    return out
+    return out, every
 
 
 def main():
-    kinds = {}
+    if not FILES:
+        raise SystemExit("select_tests.py: no test_autograd.py or test_utils.py in this folder")
+    kinds, every = {}, set()
     for f in FILES:
-        for (c, n), k in classify(f).items():
-            kinds[(f, c, n)] = k
+        selected, methods = classify(f)
+        kinds.update({(f, c, n): k for (c, n), k in selected.items()})
+        every.update((f, c, n) for c, n in methods)
     ids = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                           "-p", "no:cacheprovider", *FILES],
                          capture_output=True, text=True).stdout.split()
@@ -71,13 +76,14 @@ def main():
     sel = {"literal": [], "indirect": []}
     for nid in ids:
         f, c, t = nid.split("::")
-        names = [n for (ff, cc, n) in kinds if ff == f and cc == c and (t == n or t.startswith(n + "_"))]
+        # The method a collected id comes from: the longest test name it is or parametrizes (among
+        # every method of its class, so that test_foo_bar is never taken for a case of test_foo).
+        names = [n for (ff, cc, n) in every if ff == f and cc == c and (t == n or t.startswith(n + "_"))]
         if not names:
             continue
-        n = max(names, key=len)
-        sel[kinds[(f, c, n)]].append(nid)
-    if not FILES:
-        raise SystemExit("select_tests.py: no test_autograd.py or test_utils.py in this folder")
+        kind = kinds.get((f, c, max(names, key=len)))
+        if kind is not None:
+            sel[kind].append(nid)
     print("\n".join(sel["literal"] + sel["indirect"]))
     print(f"selected: {len(sel['literal'])} literal, {len(sel['indirect'])} indirect", file=sys.stderr)
 
