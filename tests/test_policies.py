@@ -297,10 +297,11 @@ def test_a_recompute_that_runs_other_ops_than_the_forward_is_an_error_in_torch_w
         out = ckpt_offload.checkpoint(changes, x, w, context_fn=sac(policy))
         with pytest.raises(RuntimeError, match=message):
             out.sum().backward()
-        calls[0] = 0
-        torch_out = tuc.checkpoint(changes, x, w, use_reentrant=False, context_fn=sac(policy))
-        with pytest.raises(RuntimeError, match="not found in storage"):  # torch's own, for comparison
-            torch_out.sum().backward()
+        if hasattr(tuc, "_SAC_MISMATCH_MSG"):  # torch's own, for comparison (2.14 checks both cases)
+            calls[0] = 0
+            torch_out = tuc.checkpoint(changes, x, w, use_reentrant=False, context_fn=sac(policy))
+            with pytest.raises(RuntimeError, match="not found in storage"):
+                torch_out.sum().backward()
 
 
 def test_policy_argument_errors_and_the_torch_version_gate(monkeypatch):
