@@ -827,6 +827,18 @@ struct PackedObject {
   PackedPtr p;
 };
 
+// A static Python type of this module: its name, size, dealloc, repr and doc; the caller adds the rest.
+PyTypeObject static_type(const char* name, Py_ssize_t size, destructor dealloc, reprfunc repr, const char* doc) {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = name;
+  t.tp_basicsize = size;
+  t.tp_dealloc = dealloc;
+  t.tp_repr = repr;
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = doc;
+  return t;
+}
+
 template <typename F>
 PyObject* translated(F&& f) {
   try {
@@ -845,7 +857,8 @@ PyObject* packed_kept(PyObject* self, void*) {
 }
 
 PyObject* packed_record(PyObject* self, void*) {
-  return translated([&] { return packed_of(self).record ? py::cast(packed_of(self).record) : py::none(); });
+  const Packed& p = packed_of(self);
+  return translated([&] { return p.record ? py::cast(p.record) : py::none(); });
 }
 
 PyObject* packed_seq(PyObject* self, void*) { return PyLong_FromLongLong(packed_of(self).seq); }
@@ -925,14 +938,9 @@ PyObject* packed_repr(PyObject* self) {
 }
 
 PyTypeObject packed_object_type = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "ckpt_offload._C.Packed";
-  t.tp_basicsize = sizeof(PackedObject);
-  t.tp_dealloc = packed_dealloc;
-  t.tp_repr = packed_repr;
+  PyTypeObject t = static_type("ckpt_offload._C.Packed", sizeof(PackedObject), packed_dealloc, packed_repr,
+                               "What autograd keeps for one saved tensor of an OffloadSession (made by its pack hook)");
   t.tp_getset = packed_getset;
-  t.tp_flags = Py_TPFLAGS_DEFAULT;
-  t.tp_doc = "What autograd keeps for one saved tensor of an OffloadSession (made by its pack hook)";
   return t;
 }();
 
@@ -942,8 +950,6 @@ py::object wrap_packed(PackedPtr p) {
   new (&o->p) PackedPtr(std::move(p));
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
 }
-
-PyTypeObject* const packed_type = &packed_object_type;
 
 struct SavedHook {
   PyObject_HEAD
@@ -960,17 +966,12 @@ PyObject* saved_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, 
                                                          : "OffloadSession.pack takes one tensor");
     return nullptr;
   }
-  try {
-    if (h->kind != kUnpack) return h->core->pack(py::handle(args[0]), h->kind == kPackKept).release().ptr();
-    if (Py_TYPE(args[0]) != packed_type) {
-      PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
-      return nullptr;
-    }
-    return h->core->unpack(reinterpret_cast<PackedObject*>(args[0])->p).release().ptr();
-  } catch (...) {
-    py::detail::try_translate_exceptions();
+  if (h->kind != kUnpack) return translated([&] { return h->core->pack(py::handle(args[0]), h->kind == kPackKept); });
+  if (Py_TYPE(args[0]) != &packed_object_type) {  // never subclassed: the exact type
+    PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
     return nullptr;
   }
+  return translated([&] { return h->core->unpack(reinterpret_cast<PackedObject*>(args[0])->p); });
 }
 
 void saved_hook_dealloc(PyObject* self) {
@@ -984,15 +985,11 @@ PyObject* saved_hook_repr(PyObject* self) {
 }
 
 PyTypeObject saved_hook_type = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "ckpt_offload._C.SavedHook";
-  t.tp_basicsize = sizeof(SavedHook);
-  t.tp_dealloc = saved_hook_dealloc;
-  t.tp_repr = saved_hook_repr;
+  PyTypeObject t = static_type("ckpt_offload._C.SavedHook", sizeof(SavedHook), saved_hook_dealloc, saved_hook_repr,
+                               "A session's saved-tensor hook (pack, pack_kept or unpack)");
   t.tp_vectorcall_offset = offsetof(SavedHook, vectorcall);
   t.tp_call = PyVectorcall_Call;
-  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  t.tp_doc = "A session's saved-tensor hook (pack, pack_kept or unpack)";
+  t.tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
   return t;
 }();
 
