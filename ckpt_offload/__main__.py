@@ -1,0 +1,37 @@
+"""`python -m ckpt_offload <command>` (also installed as `ckpt-offload`): `env`, the report to paste
+into a bug report, and `estimate`, the memory of a training step sized without a GPU.
+
+Each command is a module with `main(argv) -> int`, imported only when it runs, so that `env` works
+even where importing the compiled core fails (it is then part of the report).
+"""
+import importlib
+import sys
+
+COMMANDS = {
+    "env": ("ckpt_offload.envreport", "what this machine, its torch and this build are (for bug reports)"),
+    "estimate": ("ckpt_offload.estimate", "the memory of a training step, sized on the meta device"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m ckpt_offload <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10}{doc}" for name, (_, doc) in COMMANDS.items()]
+    lines.append("\n`python -m ckpt_offload <command> --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ckpt_offload: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
