@@ -1,0 +1,139 @@
+"""What this node's host memory is: total, available, the cgroup's limit, NUMA nodes, and how many
+ranks of a job share it. Read from /proc and /sys (Linux); None where a figure cannot be read.
+
+One place for these facts: `python -m ckpt_offload env` reports them and `budget="auto"` divides
+them among the node's ranks.
+"""
+import os
+import re
+
+_MEMINFO = "/proc/meminfo"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_SELF_CGROUP = "/proc/self/cgroup"
+_NODES = "/sys/devices/system/node"
+# Tests point these at a stand-in tree.
+
+
+def _meminfo(field: str):
+    try:
+        with open(_MEMINFO) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except OSError:
+        return None
+    return None
+
+
+def memory_total_bytes():
+    """The machine's physical memory (`MemTotal`), or None where /proc/meminfo cannot be read."""
+    return _meminfo("MemTotal")
+
+
+def _cgroup_dirs():
+    """This process's cgroup folders, innermost first: (version, path) for v2 and for v1's memory
+    controller, from /proc/self/cgroup."""
+    found = []
+    try:
+        with open(_SELF_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            # v2; on a hybrid machine (v1 controllers mounted too) it sits under unified/.
+            unified = os.path.join(_CGROUP_ROOT, "unified")
+            base = unified if os.path.isdir(unified) else _CGROUP_ROOT
+            version = 2
+        elif "memory" in controllers.split(","):
+            base = os.path.join(_CGROUP_ROOT, "memory")
+            version = 1
+        else:
+            continue
+        # Walk from the process's own cgroup up to the root: a limit set on a parent binds too.
+        path = path.strip("/")
+        while True:
+            found.append((version, os.path.join(base, path) if path else base))
+            if not path:
+                break
+            path = os.path.dirname(path)
+    return found
+
+
+def _read_int(path):
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max" or not re.fullmatch(r"\d+", text):
+        return None
+    return int(text)
+
+
+def cgroup_limit_bytes():
+    """The tightest memory limit of the cgroups this process is in (v2 `memory.max`, v1
+    `memory.limit_in_bytes`), or None when unlimited or unreadable. v1 writes a huge number for
+    "no limit": anything at or above the machine's memory counts as none."""
+    total = memory_total_bytes()
+    limits = []
+    for version, folder in _cgroup_dirs():
+        name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        value = _read_int(os.path.join(folder, name))
+        if value is not None and (total is None or value < total):
+            limits.append((value, version, folder))
+    return min(limits)[0] if limits else None
+
+
+def _cgroup_usage_bytes():
+    """What the cgroup with the tightest limit uses now (v2 `memory.current`, v1
+    `memory.usage_in_bytes`), or None."""
+    total = memory_total_bytes()
+    best = None
+    for version, folder in _cgroup_dirs():
+        limit = _read_int(os.path.join(folder, "memory.max" if version == 2 else "memory.limit_in_bytes"))
+        if limit is None or (total is not None and limit >= total):
+            continue
+        used = _read_int(os.path.join(folder, "memory.current" if version == 2 else "memory.usage_in_bytes"))
+        if used is not None and (best is None or limit - used < best):
+            best = limit - used
+    return best
+
+
+def memory_available_bytes():
+    """What can still be allocated without swapping or the OOM killer: the kernel's `MemAvailable`,
+    or less where the cgroup's limit leaves less. None where neither can be read."""
+    available = _meminfo("MemAvailable")
+    in_cgroup = _cgroup_usage_bytes()
+    values = [v for v in (available, in_cgroup) if v is not None]
+    return max(0, min(values)) if values else None
+
+
+def numa_nodes():
+    """How many NUMA nodes the machine has (folders node<N> under /sys/devices/system/node), or
+    None where that cannot be read."""
+    try:
+        names = os.listdir(_NODES)
+    except OSError:
+        return None
+    count = sum(1 for n in names if re.fullmatch(r"node\d+", n))
+    return count or None
+
+
+def local_world_size() -> int:
+    """How many ranks of this job share the node: `LOCAL_WORLD_SIZE` as torchrun, accelerate and
+    DeepSpeed's launcher set it (never `WORLD_SIZE`, which counts every node's ranks); 1 when unset."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if value == "":
+        return 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}")
+    return n
