@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <random>
 
 namespace ckpt_offload {
 
@@ -24,11 +25,30 @@ size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
-// Per-process directories still on disk, with the process that made each: removed at exit by that
-// process only (a child forked after set_spill_dir inherits the list but not the directories).
+// The per-process directory, held by descriptors from the moment it is made: the user's directory
+// (to remove it by name at the end) and its own (every file is opened and unlinked through it, by a
+// name the tier made, with O_NOFOLLOW). Nothing is ever looked up by path again, so a folder swapped
+// for a symlink, or a chdir(), changes nothing. Only the process that made it removes anything.
+struct DirHandle {
+  int parent_fd = -1;  // the user's directory
+  int fd = -1;         // the per-process directory
+  std::string name;    // its name in the user's directory
+  std::string path;    // absolute, for messages and spill_dir
+  dev_t dev = 0;
+  ino_t ino = 0;
+  pid_t owner = 0;
+  bool removed = false;  // under the exit list's lock
+  ~DirHandle() {
+    if (fd >= 0) close(fd);
+    if (parent_fd >= 0) close(parent_fd);
+  }
+};
+
+// Per-process directories still on disk: removed at exit by the process that made each (a child
+// forked after set_spill_dir inherits the list but not the directories).
 struct ExitList {
   std::mutex mu;
-  std::map<std::string, pid_t> dirs;
+  std::map<DirHandle*, std::shared_ptr<DirHandle>> dirs;
 };
 
 ExitList& exit_list() {
@@ -36,58 +56,141 @@ ExitList& exit_list() {
   return *list;
 }
 
-// Only what this process put there: files directly inside its own directory, then the directory.
-void remove_tree(const std::string& path) {
-  if (DIR* d = opendir(path.c_str())) {
-    while (dirent* e = readdir(d)) {
-      if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
-      unlink((path + "/" + e->d_name).c_str());
+// A file name the tier makes: "probe" or "<n>.bin".
+bool own_name(const char* name) {
+  if (std::strcmp(name, "probe") == 0) return true;
+  const char* p = name;
+  while (*p >= '0' && *p <= '9') ++p;
+  return p != name && std::strcmp(p, ".bin") == 0;
+}
+
+// Only what this process put there, caller holds the exit list's lock: its own file names inside its
+// own directory (through the descriptor), then the directory itself, and that only while the name in
+// the user's directory is still that directory (not a symlink or another folder swapped in).
+void remove_tree_locked(DirHandle& h) {
+  if (h.removed || h.owner != getpid()) return;
+  h.removed = true;
+  const int scan = dup(h.fd);
+  if (scan >= 0) {
+    if (DIR* d = fdopendir(scan)) {
+      std::vector<std::string> names;
+      while (dirent* e = readdir(d)) {
+        if (own_name(e->d_name)) names.emplace_back(e->d_name);
+      }
+      closedir(d);  // closes scan
+      for (const auto& n : names) unlinkat(h.fd, n.c_str(), 0);
+    } else {
+      close(scan);
     }
-    closedir(d);
   }
-  rmdir(path.c_str());
+  struct stat now {};
+  if (fstatat(h.parent_fd, h.name.c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(now.st_mode) &&
+      now.st_dev == h.dev && now.st_ino == h.ino) {
+    unlinkat(h.parent_fd, h.name.c_str(), AT_REMOVEDIR);  // ENOTEMPTY when something else is in it: left
+  }
 }
 
 void remove_at_exit() {
   ExitList& list = exit_list();
   std::lock_guard<std::mutex> lock(list.mu);
-  for (const auto& kv : list.dirs) {
-    if (kv.second == getpid()) remove_tree(kv.first);
-  }
-  list.dirs.clear();
+  for (auto& kv : list.dirs) remove_tree_locked(*kv.second);
 }
 
-void register_for_exit(const std::string& path) {
+void register_for_exit(const std::shared_ptr<DirHandle>& h) {
   static const bool registered = [] { return std::atexit(remove_at_exit) == 0; }();
   (void)registered;
   ExitList& list = exit_list();
   std::lock_guard<std::mutex> lock(list.mu);
-  list.dirs[path] = getpid();
+  list.dirs[h.get()] = h;
 }
 
-void unregister_for_exit(const std::string& path) {
+void remove_and_unregister(const std::shared_ptr<DirHandle>& h) {
   ExitList& list = exit_list();
   std::lock_guard<std::mutex> lock(list.mu);
-  list.dirs.erase(path);
+  remove_tree_locked(*h);
+  list.dirs.erase(h.get());
 }
 
-// mkdtemp <dir>/ckpt_offload-<pid>-XXXXXX; "" and err set on failure.
-std::string make_process_dir(const std::string& dir, int& err) {
-  std::string templ = dir + "/ckpt_offload-" + std::to_string(getpid()) + "-XXXXXX";
-  std::vector<char> buf(templ.begin(), templ.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) {
-    err = errno;
-    return std::string();
+// The user's directory as given, made absolute against today's working directory (resolved once: a
+// later chdir() does not move it). Symlinks in it are the user's own and are kept as written.
+std::string absolute_path(const std::string& dir) {
+  if (!dir.empty() && dir[0] == '/') return dir;
+  std::vector<char> cwd(4096);
+  while (getcwd(cwd.data(), cwd.size()) == nullptr) {
+    if (errno != ERANGE) return dir;
+    cwd.resize(cwd.size() * 2);
   }
-  return std::string(buf.data());
+  std::string base(cwd.data());
+  std::string rel = dir;
+  while (rel.rfind("./", 0) == 0) rel.erase(0, 2);
+  if (rel == "." || rel.empty()) return base;
+  return base + (base.back() == '/' ? "" : "/") + rel;
 }
 
-// Whether O_DIRECT works in `dir`: tmpfs and some network filesystems refuse it at open (EINVAL);
-// others accept the open and refuse the I/O. One aligned block written and read back decides.
-bool probe_direct(const std::string& dir) {
-  const std::string path = dir + "/probe";
-  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
+// Who may rename entries in the user's directory, from its fstat: the tier refuses a directory that
+// belongs to another user (root's are fine: root can do anything anyway), or that others may write
+// to without the sticky bit (they could swap the per-process folder for a link). "" when fine.
+std::string unsafe_reason(const struct stat& sb) {
+  const uid_t me = geteuid();
+  if (sb.st_uid != me && sb.st_uid != 0) {
+    return " belongs to another user (uid " + std::to_string(sb.st_uid) + "): they could replace the tier's folder in it";
+  }
+  if ((sb.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (sb.st_mode & S_ISVTX) == 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(sb.st_mode & 07777));
+    return std::string(" can be written by others (mode ") + mode +
+           ") and has no sticky bit: they could replace the tier's folder in it with a link; use a folder of "
+           "your own, or `chmod +t` it";
+  }
+  return std::string();
+}
+
+// <dir>/ckpt_offload-<pid>-XXXXXX made through the user's directory's descriptor, mode 0700, and
+// opened with O_NOFOLLOW; null with `msg` set on failure.
+std::shared_ptr<DirHandle> make_process_dir(int parent_fd, const std::string& parent_path, std::string& msg) {
+  static const char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string name = "ckpt_offload-" + std::to_string(getpid()) + "-";
+    for (int i = 0; i < 6; ++i) name += kChars[rd() % (sizeof(kChars) - 1)];
+    if (mkdirat(parent_fd, name.c_str(), 0700) != 0) {
+      if (errno == EEXIST) continue;
+      msg = "cannot make a directory in it: " + errno_text(errno);
+      return nullptr;
+    }
+    const int fd = openat(parent_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat sb {};
+    if (fd < 0 || fstat(fd, &sb) != 0 || sb.st_uid != geteuid() || (sb.st_mode & 077) != 0) {
+      const int err = errno;
+      if (fd >= 0) close(fd);
+      msg = "the directory it made (" + name + ") was replaced before it could be opened" +
+            (fd < 0 ? ": " + errno_text(err) : std::string());
+      return nullptr;
+    }
+    auto h = std::make_shared<DirHandle>();
+    h->parent_fd = dup(parent_fd);
+    h->fd = fd;
+    h->name = name;
+    h->path = parent_path + (parent_path.back() == '/' ? "" : "/") + name;
+    h->dev = sb.st_dev;
+    h->ino = sb.st_ino;
+    h->owner = getpid();
+    if (h->parent_fd < 0) {
+      msg = "cannot duplicate a descriptor: " + errno_text(errno);
+      unlinkat(parent_fd, name.c_str(), AT_REMOVEDIR);
+      return nullptr;
+    }
+    register_for_exit(h);
+    return h;
+  }
+  msg = "cannot make a directory in it: 100 names taken";
+  return nullptr;
+}
+
+// Whether O_DIRECT works in the directory: tmpfs and some network filesystems refuse it at open
+// (EINVAL); others accept the open and refuse the I/O. One aligned block written and read back decides.
+bool probe_direct(int dir_fd) {
+  int fd = openat(dir_fd, "probe", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | O_DIRECT, 0600);
   if (fd < 0) return false;
   void* buf = nullptr;
   bool ok = posix_memalign(&buf, SpillTier::kAlign, SpillTier::kAlign) == 0;
@@ -100,40 +203,56 @@ bool probe_direct(const std::string& dir) {
     std::free(buf);
   }
   close(fd);
-  unlink(path.c_str());
+  unlinkat(dir_fd, "probe", 0);
   return ok;
 }
 
 }  // namespace
 
-// The per-process directory; every file holds it, so it goes when the tier and the files have.
+// The per-process directory; every file holds it, so it goes when the tier and the files have (in
+// the process that made it: a forked child's copy only closes its descriptors).
 class SpillDir {
  public:
-  explicit SpillDir(std::string path) : path(std::move(path)) { register_for_exit(this->path); }
-  ~SpillDir() {
-    remove_tree(path);  // empty by now unless a file could not be removed
-    unregister_for_exit(path);
-  }
+  explicit SpillDir(std::shared_ptr<DirHandle> h) : handle(std::move(h)), path(handle->path) {}
+  ~SpillDir() { remove_and_unregister(handle); }  // empty by now unless a file could not be removed
+  int fd() const { return handle->fd; }
+  bool owned() const { return handle->owner == getpid(); }
+  const std::shared_ptr<DirHandle> handle;
   const std::string path;
 };
 
 // ---------------------------------------------------------------------------------------------
 // SpillFile, SpillJob
 
-SpillFile::SpillFile(std::shared_ptr<SpillDir> dir, std::shared_ptr<DiskUsage> usage, std::string path,
+SpillFile::SpillFile(std::shared_ptr<SpillDir> dir, std::shared_ptr<DiskUsage> usage, std::string name,
                      size_t nbytes, bool direct)
-    : dir_(std::move(dir)), usage_(std::move(usage)), path_(std::move(path)), nbytes_(nbytes), direct_(direct) {}
+    : dir_(std::move(dir)),
+      usage_(std::move(usage)),
+      name_(std::move(name)),
+      path_(dir_->path + "/" + name_),
+      nbytes_(nbytes),
+      direct_(direct) {}
 
 SpillFile::~SpillFile() {
-  unlink(path_.c_str());  // ENOENT when never written or already gone: nothing to do
+  // ENOENT when never written or already gone: nothing to do. A forked child's copy never unlinks:
+  // the file is its parent's.
+  if (dir_->owned()) unlinkat(dir_->fd(), name_.c_str(), 0);
   usage_->bytes.fetch_sub(io_bytes());
   usage_->files.fetch_sub(1);
 }
+
+int SpillFile::dir_fd() const { return dir_->fd(); }
 
 size_t SpillFile::io_bytes() const { return direct_ ? round_up(nbytes_, SpillTier::kAlign) : nbytes_; }
 
 void SpillJob::wait() {
   if (done()) return;
+  // Queued before a fork(): the worker that would run it lives only in the parent.
+  if (getpid() != owner_) {
+    throw std::runtime_error("ckpt_offload: a disk-tier " + std::string(write_ ? "write" : "read") +
+                             " queued before fork() cannot complete in the child (its worker threads stay with "
+                             "the parent); switch the disk tier off in the child (set_spill_dir(None))");
+  }
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return done(); });
 }
@@ -155,43 +274,61 @@ std::shared_ptr<SpillTier> SpillTier::create(const std::string& dir, uint64_t ma
                                              int spill_ahead, int threads) {
   const std::string where = "set_spill_dir: path '" + dir + "'";
   if (dir.empty()) throw SpillPathError("set_spill_dir: path must not be empty");
-  struct stat sb {};
-  if (stat(dir.c_str(), &sb) != 0) {
-    const int err = errno;
-    throw SpillPathError(where + (err == ENOENT ? " does not exist" : " cannot be examined: " + errno_text(err)));
-  }
-  if (!S_ISDIR(sb.st_mode)) throw SpillPathError(where + " is not a directory");
-  if (access(dir.c_str(), W_OK | X_OK) != 0) {
-    throw SpillPathError(where + " is not writable: " + errno_text(errno));
-  }
   if (read_ahead < 0 || spill_ahead < 0 || threads < 1) {
     throw std::invalid_argument("set_spill_dir: read_ahead and spill_ahead must be >= 0");
   }
-  std::shared_ptr<SpillTier> tier(new SpillTier(dir, max_bytes, read_ahead, spill_ahead));
-  int err = 0;
-  const std::string proc = make_process_dir(dir, err);
-  if (proc.empty()) throw SpillPathError(where + " is not writable: cannot make a directory in it: " + errno_text(err));
-  tier->dir_ = std::make_shared<SpillDir>(proc);
+  const std::string abs = absolute_path(dir);
+  // The user's directory is opened once; everything after goes through this descriptor.
+  const int user_fd = open(abs.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (user_fd < 0) {
+    const int err = errno;
+    struct stat sb {};
+    if (err == ENOTDIR || (stat(abs.c_str(), &sb) == 0 && !S_ISDIR(sb.st_mode))) {
+      throw SpillPathError(where + " is not a directory");
+    }
+    throw SpillPathError(where + (err == ENOENT ? " does not exist" : " cannot be opened: " + errno_text(err)));
+  }
+  std::shared_ptr<SpillTier> tier(new SpillTier(abs, user_fd, max_bytes, read_ahead, spill_ahead));
+  struct stat sb {};
+  if (fstat(user_fd, &sb) != 0) throw SpillPathError(where + " cannot be examined: " + errno_text(errno));
+  const std::string unsafe = unsafe_reason(sb);
+  if (!unsafe.empty()) throw SpillPathError(where + unsafe);
+  if (faccessat(user_fd, ".", W_OK | X_OK, 0) != 0) {
+    throw SpillPathError(where + " is not writable: " + errno_text(errno));
+  }
+  std::string msg;
+  auto handle = make_process_dir(user_fd, abs, msg);
+  if (!handle) throw SpillPathError(where + " is not writable: " + msg);
+  tier->dir_ = std::make_shared<SpillDir>(handle);
   // A real write as well (root passes access(), a read-only filesystem does not pass this).
-  const std::string probe = proc + "/probe";
-  int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int dfd = handle->fd;
+  int fd = openat(dfd, "probe", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0 || ::write(fd, "x", 1) != 1) {
-    err = errno;
+    const int err = errno;
     if (fd >= 0) close(fd);
-    unlink(probe.c_str());
+    unlinkat(dfd, "probe", 0);
     throw SpillPathError(where + " is not writable: " + errno_text(err));
   }
   close(fd);
-  unlink(probe.c_str());
-  tier->direct_ = probe_direct(proc);
+  unlinkat(dfd, "probe", 0);
+  tier->direct_ = probe_direct(dfd);
   tier->st_.direct = tier->direct_;
   for (int i = 0; i < threads; ++i) std::thread([self = tier] { self->run(); }).detach();
   return tier;
 }
 
-SpillTier::SpillTier(std::string dir, uint64_t max_bytes, int read_ahead, int spill_ahead)
-    : user_dir_(std::move(dir)), max_bytes_(max_bytes), read_ahead_(read_ahead), spill_ahead_(spill_ahead) {
+SpillTier::SpillTier(std::string dir, int user_fd, uint64_t max_bytes, int read_ahead, int spill_ahead)
+    : user_dir_(std::move(dir)),
+      user_fd_(user_fd),
+      owner_(getpid()),
+      max_bytes_(max_bytes),
+      read_ahead_(read_ahead),
+      spill_ahead_(spill_ahead) {
   st_.max_bytes = max_bytes;
+}
+
+SpillTier::~SpillTier() {
+  if (user_fd_ >= 0) close(user_fd_);
 }
 
 void SpillTier::stop() {
@@ -213,13 +350,13 @@ std::string SpillTier::process_dir() const {
 
 std::shared_ptr<SpillDir> SpillTier::current_dir() {
   if (!dir_) {
-    int err = 0;
-    const std::string proc = make_process_dir(user_dir_, err);
-    if (proc.empty()) {
-      dir_error_ = "cannot make a directory in '" + user_dir_ + "': " + errno_text(err);
+    std::string msg;
+    auto handle = make_process_dir(user_fd_, user_dir_, msg);
+    if (!handle) {
+      dir_error_ = "'" + user_dir_ + "': " + msg;
       return nullptr;
     }
-    dir_ = std::make_shared<SpillDir>(proc);
+    dir_ = std::make_shared<SpillDir>(handle);
   }
   return dir_;
 }
@@ -232,6 +369,8 @@ void SpillTier::remove_dir_if_empty() {
 
 std::shared_ptr<SpillFile> SpillTier::new_file(size_t nbytes, const HostBlock& block) {
   if (failed_.load()) return nullptr;
+  // A forked child does not spill: the folder, its file numbers and the workers are its parent's.
+  if (getpid() != owner_) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) return nullptr;
   std::shared_ptr<SpillDir> dir = current_dir();
@@ -243,8 +382,7 @@ std::shared_ptr<SpillFile> SpillTier::new_file(size_t nbytes, const HostBlock& b
   usage_->bytes.fetch_add(io);
   usage_->files.fetch_add(1);
   st_.peak_disk_bytes = std::max<uint64_t>(st_.peak_disk_bytes, usage_->bytes.load());
-  const std::string path = dir->path + "/" + std::to_string(next_file_.fetch_add(1)) + ".bin";
-  return std::make_shared<SpillFile>(dir, usage_, path, nbytes, direct);
+  return std::make_shared<SpillFile>(dir, usage_, std::to_string(next_file_.fetch_add(1)) + ".bin", nbytes, direct);
 }
 
 SpillJobPtr SpillTier::queue(SpillJobPtr job, EventPtr after) {
@@ -258,15 +396,16 @@ SpillJobPtr SpillTier::queue(SpillJobPtr job, EventPtr after) {
     observer = observer_;
   }
   if (observer) observer->queued(job->io_, job->ptr_, job->file_->io_bytes(), job->write_, job->handle_);
+  job->owner_ = getpid();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stop_) {
+    if (!stop_ && job->owner_ == owner_) {
       (job->write_ ? writes_ : reads_).push_back(job);
       cv_.notify_one();
       return job;
     }
   }
-  execute(*job);  // stopped: the workers may be gone
+  execute(*job);  // stopped, or a forked child: the workers may be gone, or were never its own
   return job;
 }
 
@@ -380,35 +519,59 @@ bool SpillTier::do_io(SpillJob& job, std::string& msg, int& err) {
   const size_t len = f.io_bytes();
   const bool direct = f.direct() && len <= job.capacity_ && reinterpret_cast<uintptr_t>(job.ptr_) % kAlign == 0;
   const size_t n = direct ? len : f.nbytes();
-  int flags = (job.write_ ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_CLOEXEC | (direct ? O_DIRECT : 0);
-  int fd = open(f.path().c_str(), flags, 0600);
+  char* p = static_cast<char*>(job.ptr_);
+  // The padding up to the alignment is the block's own memory past the tensor: whatever an earlier
+  // tensor left there. Zeroed, so that no stale bytes of another tensor go to the file.
+  if (job.write_ && n > f.nbytes()) std::memset(p + f.nbytes(), 0, n - f.nbytes());
+  const int flags = (job.write_ ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0);
+  // Through the per-process directory's descriptor, by the name the tier made: never by path.
+  const int dir_fd = f.dir_fd();
+  int fd = openat(dir_fd, f.name().c_str(), flags, 0600);
   if (fd < 0) return fail(errno, errno_text(errno));
+  auto drop_written = [&] {
+    if (job.write_ && f.dir_->owned()) unlinkat(dir_fd, f.name().c_str(), 0);
+  };
   struct stat sb {};
   if (!job.write_ && (fstat(fd, &sb) != 0 || static_cast<size_t>(sb.st_size) < f.io_bytes())) {
     close(fd);
     return fail(EIO, "the file is shorter than the tensor (truncated?)");
   }
-  char* p = static_cast<char*>(job.ptr_);
   size_t done = 0;
+  bool still_direct = direct;
   while (done < n) {
     const ssize_t r = job.write_ ? pwrite(fd, p + done, n - done, static_cast<off_t>(done))
                                  : pread(fd, p + done, n - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
+    // O_DIRECT answers EINVAL where a limit cut the transfer to an unaligned length, or after a
+    // short one left an unaligned offset, hiding the real cause (ENOSPC, EFBIG). The rest goes
+    // buffered, so that the real error, if any, comes out.
+    if (r < 0 && errno == EINVAL && still_direct) {
+      const int fl = fcntl(fd, F_GETFL);
+      if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) {
+        still_direct = false;
+        continue;
+      }
+    }
     if (r < 0) {
       const int e = errno;
       close(fd);
-      if (job.write_) unlink(f.path().c_str());
+      drop_written();
       return fail(e, errno_text(e));
     }
     if (r == 0) {
       close(fd);
+      drop_written();
       return fail(EIO, job.write_ ? "the write made no progress" : "the file is shorter than the tensor (truncated?)");
     }
     done += static_cast<size_t>(r);
+    if (still_direct && done < n && done % kAlign != 0) {
+      const int fl = fcntl(fd, F_GETFL);  // a short direct transfer: go on buffered (see above)
+      if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) still_direct = false;
+    }
   }
   if (close(fd) != 0) {
     const int e = errno;
-    if (job.write_) unlink(f.path().c_str());
+    drop_written();
     return fail(e, errno_text(e));
   }
   return true;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <sys/types.h>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -71,12 +72,15 @@ struct DiskUsage {
 // released, and no I/O on it queued).
 class SpillFile {
  public:
-  SpillFile(std::shared_ptr<SpillDir> dir, std::shared_ptr<DiskUsage> usage, std::string path, size_t nbytes,
+  // name: the file's name in the per-process directory, which it is only ever opened through.
+  SpillFile(std::shared_ptr<SpillDir> dir, std::shared_ptr<DiskUsage> usage, std::string name, size_t nbytes,
             bool direct);
   ~SpillFile();
   SpillFile(const SpillFile&) = delete;
   SpillFile& operator=(const SpillFile&) = delete;
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return path_; }  // absolute, for messages
+  const std::string& name() const { return name_; }
+  int dir_fd() const;
   size_t nbytes() const { return nbytes_; }
   bool direct() const { return direct_; }  // O_DIRECT for this file (aligned length fits its block)
   size_t io_bytes() const;                 // bytes moved: nbytes, rounded up to the alignment if direct
@@ -85,6 +89,7 @@ class SpillFile {
   friend class SpillTier;
   std::shared_ptr<SpillDir> dir_;
   std::shared_ptr<DiskUsage> usage_;
+  const std::string name_;
   const std::string path_;
   const size_t nbytes_;
   const bool direct_;
@@ -118,6 +123,7 @@ class SpillJob {
   EventPtr after_;        // a write waits for the copy that fills the block; a read for the last reader
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> done_{false};
+  pid_t owner_ = 0;       // the process that queued it (a forked child cannot wait for it)
   int err_ = 0;
   std::string msg_;
   std::mutex mu_;
@@ -129,8 +135,9 @@ using SpillJobPtr = std::shared_ptr<SpillJob>;
 class SpillTier : public std::enable_shared_from_this<SpillTier> {
  public:
   static constexpr size_t kAlign = 4096;  // O_DIRECT buffers, offsets and lengths
-  // Checks `dir` (an existing, writable directory), creates <dir>/ckpt_offload-<pid>-XXXXXX in it and
-  // probes O_DIRECT there. Throws SpillPathError naming the path and the reason.
+  // Checks `dir` (an existing, writable directory that no other user may rename entries in), creates
+  // <dir>/ckpt_offload-<pid>-XXXXXX in it and probes O_DIRECT there. Throws SpillPathError naming the
+  // path and the reason. A relative `dir` is made absolute now; both folders are held by descriptors.
   // max_bytes: the disk budget, 0 = none. read_ahead: layers a read starts ahead of the reload
   // (the session walks them). spill_ahead: writes started ahead of need (0: only on demand).
   static std::shared_ptr<SpillTier> create(const std::string& dir, uint64_t max_bytes, int read_ahead,
@@ -141,6 +148,7 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
   void stop();
   SpillTier(const SpillTier&) = delete;
   SpillTier& operator=(const SpillTier&) = delete;
+  ~SpillTier();
 
   // A new file for a tensor of nbytes held in `block`, or nullptr when the budget refuses or spilling
   // stopped after a write error.
@@ -157,7 +165,7 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
   bool direct() const { return direct_; }
   int read_ahead() const { return read_ahead_; }
   int spill_ahead() const { return spill_ahead_; }
-  const std::string& dir() const;           // the user's directory
+  const std::string& dir() const;           // the user's directory, absolute
   std::string process_dir() const;          // the per-process directory under it ("" while removed)
   // Removes the per-process directory when no file is left in it (made again by the next spill).
   void remove_dir_if_empty();
@@ -178,7 +186,7 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
                       bool skip_after);
 
  private:
-  SpillTier(std::string dir, uint64_t max_bytes, int read_ahead, int spill_ahead);
+  SpillTier(std::string dir, int user_fd, uint64_t max_bytes, int read_ahead, int spill_ahead);
   SpillJobPtr queue(SpillJobPtr job, EventPtr after);
   void run();
   void execute(SpillJob& job);
@@ -187,6 +195,8 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
   std::shared_ptr<SpillDir> current_dir();  // caller holds mu_
 
   const std::string user_dir_;
+  const int user_fd_;    // the user's directory, opened once
+  const pid_t owner_;    // the process that made the tier and its workers
   const uint64_t max_bytes_;
   const int read_ahead_;
   const int spill_ahead_;
