@@ -98,7 +98,11 @@ bool naming() {
       if (PyErr_Occurred()) throw py::error_already_set();
       return false;
     }
-    return v == Py_True || (v != Py_False && PyObject_IsTrue(v) == 1);
+    if (v == Py_True) return true;
+    if (v == Py_False) return false;
+    const int truth = PyObject_IsTrue(v);  // -1: its __bool__ raised, and the error is set
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
   };
   return flag(p.timeline_globals, p.enabled) || flag(p.profiler_globals, p.profiler_on);
 }
