@@ -246,6 +246,7 @@ HandlePtr CopyEngine::offload(const at::Tensor& tensor) {
   h->dense_ = span == src.numel() && c10::IntArrayRef(h->strides_) == c10::IntArrayRef(c10::contiguous_strides(h->sizes_));
   h->nbytes_ = static_cast<size_t>(span) * tensor.element_size();
 
+  timeline::DeferEvictions evicted;  // overwritten timeline records: destroyed after every lock here
   std::vector<at::Tensor> garbage;  // destroyed after the lock below is released
   std::vector<HandlePtr> keep;      // likewise
   if (h->nbytes_ == 0) {
@@ -398,6 +399,7 @@ void CopyEngine::prefetch(const HandlePtr& h) {
   TORCH_CHECK_VALUE(h != nullptr, "prefetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "prefetch: the handle belongs to another engine");
   bring_back(h);
+  timeline::DeferEvictions evicted;  // as in fetch
   std::vector<at::Tensor> garbage;  // destroyed after the lock is released
   std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
   at::Tensor fresh = lock_with_dest(*h, lock);
@@ -412,6 +414,7 @@ at::Tensor CopyEngine::fetch(const HandlePtr& h, bool keep_host) {
   TORCH_CHECK_VALUE(h != nullptr, "fetch: handle is None");
   TORCH_CHECK_VALUE(h->engine_.get() == this, "fetch: the handle belongs to another engine");
   bring_back(h);
+  timeline::DeferEvictions evicted;  // a wait noted under the lock may overwrite a record: dies after it
   std::vector<at::Tensor> garbage;
   std::shared_ptr<HostBlock> block;
   at::Tensor dest;
@@ -751,6 +754,7 @@ void CopyEngine::release_sources_locked(size_t keep_bytes, std::vector<at::Tenso
 }
 
 size_t CopyEngine::release_sources(size_t keep_bytes) {
+  timeline::DeferEvictions evicted;  // as in fetch
   std::vector<at::Tensor> garbage;
   std::lock_guard<std::mutex> lock(mu_);
   release_sources_locked(keep_bytes, garbage);

@@ -67,6 +67,17 @@ void start(size_t capacity) {
   }
 }
 
+namespace {
+thread_local DeferEvictions* t_defer = nullptr;
+}  // namespace
+
+DeferEvictions::DeferEvictions() : outer_(t_defer) { t_defer = this; }
+
+DeferEvictions::~DeferEvictions() {
+  t_defer = outer_;
+  records_.clear();  // here, after the caller's locks (declared after this) were released
+}
+
 void add(TimelineRecord rec) {
   Ring& r = ring();
   TimelineRecord old;  // an overwritten record dies after the lock is released (it may hold an engine)
@@ -76,7 +87,11 @@ void add(TimelineRecord rec) {
     r.records.push_back(std::move(rec));
     return;
   }
-  old = std::move(r.records[r.next]);
+  if (t_defer != nullptr) {
+    t_defer->records_.push_back(std::move(r.records[r.next]));  // dies with the caller's DeferEvictions
+  } else {
+    old = std::move(r.records[r.next]);
+  }
   r.records[r.next] = std::move(rec);
   r.next = (r.next + 1) % r.capacity;
   r.dropped += 1;

@@ -58,6 +58,23 @@ int64_t now_ns();
 void start(size_t capacity);
 // Appends a record while recording; dropped otherwise.
 void add(TimelineRecord r);
+
+// While one lives on this thread, the records the ring overwrites are destroyed when it goes, not in
+// add(). An old record may hold the last reference to another engine, whose destruction can take the
+// GIL: a caller that holds an engine's lock (GIL released) declares one before taking it, so that
+// the records die after the lock is released (no GIL-against-mutex deadlock).
+class DeferEvictions {
+ public:
+  DeferEvictions();
+  ~DeferEvictions();
+  DeferEvictions(const DeferEvictions&) = delete;
+  DeferEvictions& operator=(const DeferEvictions&) = delete;
+
+ private:
+  friend void add(TimelineRecord r);
+  DeferEvictions* outer_;
+  std::vector<TimelineRecord> records_;
+};
 // A mark stamped with the host clock (no device stream to record it on).
 void mark_host(uint32_t phase, uint64_t key);
 // Stops recording and resolves every record, oldest first; `dropped` counts records overwritten.
