@@ -45,8 +45,40 @@ CudaEvent::CudaEvent(bool timing) {
   CKPT_CUDA_CHECK(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
 }
 
+namespace {
+
+// The event's device made current for one call, and the caller's restored after. The disk tier's
+// worker threads wait for and drop events with no device of their own: the runtime would otherwise
+// bind device 0's context to them (a context on GPU 0 for every rank of a node).
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (device < 0 || cudaGetDevice(&prev_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (prev_ != device && cudaSetDevice(device) == cudaSuccess) {
+      changed_ = true;
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  ~OnDevice() {
+    if (changed_) CKPT_CUDA_CHECK_WARN(cudaSetDevice(prev_));
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int prev_ = -1;
+  bool changed_ = false;
+};
+
+}  // namespace
+
 CudaEvent::~CudaEvent() {
   if (event_ != nullptr) {
+    OnDevice on(device_);
     CKPT_CUDA_CHECK_WARN(cudaEventDestroy(event_));
   }
 }
@@ -63,7 +95,10 @@ bool CudaEvent::query() const {
   throw_cuda_error(err, "cudaEventQuery", __FILE__, __LINE__);
 }
 
-void CudaEvent::synchronize() const { CKPT_CUDA_CHECK(cudaEventSynchronize(event_)); }
+void CudaEvent::synchronize() const {
+  OnDevice on(device_);  // may run on a disk-tier worker thread
+  CKPT_CUDA_CHECK(cudaEventSynchronize(event_));
+}
 
 void CudaEvent::block(cudaStream_t stream) const { CKPT_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0)); }
 
