@@ -563,11 +563,7 @@ bool SpillTier::do_io(SpillJob& job, std::string& msg, int& err) {
       drop_written();
       return fail(EIO, job.write_ ? "the write made no progress" : "the file is shorter than the tensor (truncated?)");
     }
-    done += static_cast<size_t>(r);
-    if (still_direct && done < n && done % kAlign != 0) {
-      const int fl = fcntl(fd, F_GETFL);  // a short direct transfer: go on buffered (see above)
-      if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) still_direct = false;
-    }
+    done += static_cast<size_t>(r);  // after a short direct transfer the next call is the EINVAL above
   }
   if (close(fd) != 0) {
     const int e = errno;

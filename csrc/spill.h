@@ -8,7 +8,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <sys/types.h>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -16,6 +15,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 #include "cuda_util.h"
 #include "host_pool.h"
