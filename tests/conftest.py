@@ -1,4 +1,4 @@
-"""Shared fixtures: the CPU test path switch, clean statistics, one intra-op thread, and the GPU marker."""
+"""Shared fixtures: the CPU test path switch, clean statistics, one intra-op thread, and the markers."""
 import os
 import sys
 
@@ -19,6 +19,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason where none is present")
+    config.addinivalue_line(
+        "markers", "deepspeed: DeepSpeed ZeRO under the Trainer on 2 CPU processes; skipped where deepspeed is not installed"
+    )
 
 
 @pytest.fixture
