@@ -1,9 +1,14 @@
 """Trains a small Llama-shaped model with FSDP2 (fully_shard per block), each block compiled, and
-every n-th block checkpointed with its input offloaded to pinned host memory; prints loss, peak
-memory and ckpt_offload.stats().
+every n-th block checkpointed with its input offloaded to pinned host memory; prints each rank's
+share of its node's host memory, loss, peak memory and ckpt_offload.stats().
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py            # GPUs (nccl), or CPU (gloo)
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --device cpu --backend aot_eager
+    # two nodes (here both on one machine), 2 ranks each: start both
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
+        examples/train_fsdp2.py --device cpu --no-compile
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
+        examples/train_fsdp2.py --device cpu --no-compile
 """
 import argparse
 import os
@@ -84,6 +89,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, eager)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every block (--no-compile: eager, which starts in seconds on the CPU)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=None, help="default: 1024 on cuda, 64 on cpu")
     p.add_argument("--seq", type=int, default=None, help="default: 2048 on cuda, 64 on cpu")
@@ -101,6 +108,7 @@ def main():
         # same pinned pool and copy engine, so the run exercises what a GPU run does.
         os.environ.setdefault("CKPT_OFFLOAD_TEST_CPU", "1")
     import ckpt_offload  # after the switch above: sessions read it when created
+    from ckpt_offload import hostmem
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -110,6 +118,11 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
+    # The ranks of one node share its host memory: each one's pinned budget is its node's share
+    # (LOCAL_WORLD_SIZE ranks), not the job's (WORLD_SIZE). Half of what is available, split.
+    share, available = hostmem.host_share_bytes(0.5), hostmem.memory_available_bytes()
+    print(f"rank {rank}: local world size {hostmem.local_world_size()} of world {world}, "
+          f"host share {share} bytes of {available} available", flush=True)
 
     torch.manual_seed(0)
     model = Llama(vocab=1024, hidden=hidden, layers=args.layers, heads=8, kv_heads=2, ffn=hidden * 8 // 3).to(device)
@@ -117,19 +130,20 @@ def main():
         model = model.to(torch.bfloat16)
     # Every block compiled: the checkpointed ones by enable_checkpointing (the checkpoint and the
     # offload stay eager around the compiled forward), the others with block.compile().
-    compile_options = {"backend": args.backend}
+    compile_options = {"backend": args.backend} if args.compile else False
     checkpointed = ckpt_offload.enable_checkpointing(
         model, every_n_layers=args.every_n_layers, offload=args.offload, compile=compile_options
     )
     for i, layer in enumerate(model.layers):
-        if i not in checkpointed:
+        if args.compile and i not in checkpointed:
             layer.compile(**compile_options)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if rank == 0:
         state = ckpt_offload.checkpointing_state(model)
-        print(f"{world} x {device.type}, {args.layers} layers, hidden {hidden}, seq {seq}, backend {args.backend}; "
+        print(f"{world} x {device.type}, {args.layers} layers, hidden {hidden}, seq {seq}, "
+              f"backend {args.backend if args.compile else 'none (eager)'}; "
               f"checkpointed {state[0]}, offloaded {state[1]}", flush=True)
 
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
@@ -154,16 +168,17 @@ def main():
             peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB"
         if rank == 0:
             print(f"step {step}: loss {loss.item() / world:.4f}, {peak}, {dt:.2f} s"
-                  + (" (includes compiling)" if step == 0 else ""), flush=True)
+                  + (" (includes compiling)" if step == 0 and args.compile else ""), flush=True)
     s = ckpt_offload.stats()
     if rank == 0:
         keys = ("bytes_offloaded", "tensors_offloaded", "tensors_prefetched", "reloads_on_demand",
                 "host_reserved_bytes", "host_in_use_bytes", "host_alloc_calls")
         print("stats (last step, rank 0):", {k: s[k] for k in keys}, flush=True)
-        from torch._dynamo.utils import counters
+        if args.compile:
+            from torch._dynamo.utils import counters
 
-        print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, "
-              f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
+            print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, "
+                  f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
     # Every rank done before any tears its process group down: a rank that destroys it while another
     # still prints can abort in gloo's teardown at exit.
     dist.barrier()

@@ -22,6 +22,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "deepspeed: DeepSpeed ZeRO under the Trainer on 2 CPU processes; skipped where deepspeed is not installed"
     )
+    config.addinivalue_line(
+        "markers", "multinode: two torchrun launchers on this machine as two nodes, 2 CPU processes each"
+    )
 
 
 @pytest.fixture
