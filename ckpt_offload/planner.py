@@ -80,15 +80,18 @@ class _Probe:
         return ta.elapsed_time(tb) if self.cuda else (tb - ta) * 1e3
 
 
-def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=True):
+def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=True, live=None):
     """One forward and backward with marks at each block boundary. Returns the probe. On the CPU,
-    track_memory=False leaves LiveBytes out (its per-op bookkeeping would dwarf the compute)."""
+    track_memory=False leaves LiveBytes out (its per-op bookkeeping would dwarf the compute); live:
+    the tracker to use instead of a new LiveBytes (the estimate's, on the meta device). Inputs: a
+    tuple of positional arguments or a dict of keyword arguments."""
     from .testing import LiveBytes
 
     cuda = device.type == "cuda"
     n = len(blocks)
     handles = []
-    live = LiveBytes() if not cuda and track_memory else None
+    if live is None:
+        live = LiveBytes() if not cuda and track_memory else None
     probe = _Probe(device, live)
 
     def grad_mark(name):
@@ -131,7 +134,9 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             elif cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             probe.mark("start")
-            loss = loss_fn(model(*example_inputs))
+            out = model(**example_inputs) if isinstance(example_inputs, dict) else model(*example_inputs)
+            loss = loss_fn(out)
+            del out
             probe.mark("fwd_end")
             loss.backward()
             del loss
