@@ -84,6 +84,10 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # A value read on the meta device (transformers asks whether a mask has padding, or whether
+            # sequences are packed: `(...).all()`): true for a flag, zero for a number.
+            return True if args[0].dtype == torch.bool else 0
         out = func(*args, **kwargs)
         count = self._flops.get(func._overloadpacket)
         if count is not None:
