@@ -450,8 +450,10 @@ class MemoryEstimate:
 
         Three estimates (this one, at half and at a quarter of its length) fit each mode's peak and
         host bytes as `a + b*s + c*s^2` (the quadratic term from attention that keeps its
-        probabilities); the longest `s` within both budgets is read off the fit, and checked
-        against this estimate at its own length.
+        probabilities: math SDPA, eager attention); two, and a line, where the attention counted is
+        flash or memory-efficient. The longest `s` within both budgets is read off the fit, and
+        made consistent with this estimate at its own length (it fits there exactly when the
+        longest is at least this length).
 
         Args:
             device_bytes: the device memory a step may reach.
@@ -465,7 +467,11 @@ class MemoryEstimate:
         if self._resize is None or not self.seq:
             return {m: None for m in MODES}
         s0 = self.seq
-        lengths = sorted({s0, max(1, s0 // 2), max(1, s0 // 4)})
+        lengths = {s0, max(1, s0 // 2), max(1, s0 // 4)}
+        if self.attention and "math" not in self.attention:
+            # Attention that keeps no probabilities: every term is linear in the length; two suffice.
+            lengths = {s0, max(1, s0 // 2)}
+        lengths = sorted(lengths)
         ests = {s: (self if s == s0 else self._resize(s)) for s in lengths}
         out = {}
         for m in MODES:

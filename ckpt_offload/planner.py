@@ -613,7 +613,9 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         host_budget_bytes: the most bytes a step may send to the host (None: no cap).
         modes: the modes to choose from (default: all of `BLOCK_MODES`, the attention one where
             this torch has selective offload; on a CPU without `CKPT_OFFLOAD_TEST_CPU=1`, those
-            without offload, as CPU tensors are not offloaded there).
+            without offload, as CPU tensors are not offloaded there). A model on the meta device
+            is not profiled but estimated (`estimate_memory`: nothing allocated, times from FLOPs
+            at a nominal rate), with `"none"`, `"checkpoint"` and `"checkpoint+offload"`.
         verbose: print one line per profiled mode, and the choice, on stderr.
 
     Returns:
@@ -635,6 +637,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         raise TypeError(f"plan_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(verbose, bool):
         raise TypeError(f"plan_memory: verbose must be True or False, got {verbose!r}")
+    modes_given = modes is not None
     if modes is None:
         modes = [m for m in BLOCK_MODES if m != "checkpoint+offload+attention" or policies.HAS_OFFLOAD_POLICY]
         params = list(model.parameters())
@@ -645,7 +648,19 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
     bad = [m for m in modes if m not in BLOCK_MODES]
     if bad or not modes:
         raise ValueError(f"plan_memory: modes must be a non-empty list from {BLOCK_MODES}, got {modes!r}")
-    cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
+    params = list(model.parameters())
+    if params and params[0].device.type == "meta":
+        # A model on the meta device: the bytes from estimate_memory (no optimizer states, as the
+        # budget counts none), the times from FLOPs at a nominal rate; its modes only.
+        from .estimate import estimate_memory
+
+        cost = estimate_memory(model, example_inputs, optimizer=None, loss_fn=loss_fn).cost_model
+        missing = [m for m in modes if m not in cost.modes]
+        if missing and modes_given:
+            raise ValueError(f"plan_memory: on the meta device the modes are {cost.modes}; {missing} cannot be estimated")
+        modes = [m for m in modes if m in cost.modes]
+    else:
+        cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
     return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
 
 

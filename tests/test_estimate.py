@@ -188,3 +188,141 @@ def test_qwen3_8b_at_128k_checkpoint_inputs_are_36_gib():
     assert est.parts["logits_bytes"] == 131072 * 151936 * (2 + 4)
     assert est.peak_bytes["none"] > est.peak_bytes["every_n=2"] > est.peak_bytes["checkpoint"] > \
         est.peak_bytes["checkpoint+offload"]
+
+
+def test_plan_memory_from_a_meta_model_fits_when_applied_for_real():
+    ids = make_batch(batch=2, seq=128)
+    with torch.device("meta"):
+        meta_model = make_model(layers=6, hidden=64, heads=4, max_len=128, device="meta")
+    est = estimate_memory(meta_model, (ids.to("meta"),), loss_fn=tiny_loss(ids)("meta"), attention="flash",
+                          optimizer=None)
+    budget = (est.peak_bytes["checkpoint"] + est.peak_bytes["none"]) // 2
+    plan = ckpt_offload.plan_memory(meta_model, (ids.to("meta"),), budget, loss_fn=tiny_loss(ids)("meta"))
+    assert plan.predicted_peak_bytes <= budget
+    assert set(plan.modes) <= {"none", "checkpoint", "checkpoint+offload"}
+    assert "none" in plan.modes and plan.modes != ["none"] * 6  # a mixed plan: the budget lies between
+    model = make_model(layers=6, hidden=64, heads=4, max_len=128)
+    plan.apply(model)
+    peak, _ = measured_plan(model, ids)
+    assert peak <= budget * 1.03 and peak == pytest.approx(plan.predicted_peak_bytes, rel=0.03)
+    with pytest.raises(ValueError, match="meta device"):
+        ckpt_offload.plan_memory(meta_model, (ids.to("meta"),), budget, loss_fn=tiny_loss(ids)("meta"),
+                                 modes=["offload", "none"])
+
+
+def measured_plan(model, ids):
+    loss_fn = tiny_loss(ids)("cpu")
+    loss_fn(model(ids)).backward()
+    model.zero_grad(set_to_none=False)
+    ckpt_offload.synchronize()
+    with LiveBytes() as live:
+        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
+        loss_fn(model(ids)).backward()
+    ckpt_offload.synchronize()
+    return live.peak, ckpt_offload.stats()["bytes_offloaded"]
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+SMALL = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=4096, torch_dtype="float32")
+
+
+def cli(*args, env=None):
+    e = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ckpt_offload", "estimate", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=e, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(json.dumps(SMALL))
+    return str(path)
+
+
+def test_cli_json_schema_and_fits_agree_with_longest(small_config):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(small_config))
+    ids = torch.empty(2, 512, dtype=torch.long, device="meta")
+    api = estimate_memory(model, {"input_ids": ids, "labels": ids})
+    # A device between the peaks of the modes: some fit, some do not.
+    device = (api.peak_bytes["checkpoint"] + api.peak_bytes["none"]) // 2
+    r = cli("--config", small_config, "--seq", "512", "--batch", "2", "--device-memory", str(device),
+            "--host-memory", "64GiB", "--ranks-per-node", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"model", "seq", "batch", "modes", "parts"}
+    assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2
+    assert set(out["modes"]) == {"none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"}
+    assert set(out["parts"]) == {"weights_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes",
+                                 "checkpoint_input_bytes"}
+    for mode, row in out["modes"].items():
+        assert set(row) == {"device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq"}
+        assert all(type(row[k]) is int for k in ("device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node"))
+        assert type(row["fits"]) is bool and type(row["longest_seq"]) is int
+        assert row["host_bytes_per_node"] == 8 * row["host_bytes_per_rank"]
+        assert row["fits"] == (row["longest_seq"] >= 512), (mode, row)
+        assert row["fits"] == (row["device_peak_bytes"] <= device), (mode, row)
+        if mode != "plan":
+            assert row["device_peak_bytes"] == api.peak_bytes[mode]
+            assert row["host_bytes_per_rank"] == api.host_bytes[mode]
+    modes = out["modes"]
+    assert not modes["none"]["fits"] and modes["checkpoint"]["fits"] and modes["plan"]["fits"]
+    assert modes["plan"]["device_peak_bytes"] <= device
+    # The longest length is read off a fit of the peak in the length: re-estimated there, the peak is
+    # the device's bytes within the fit's error (the memory-efficient kernel rounds its log-sum-exp
+    # up to 32 positions), and 2% longer does not fit.
+    s = modes["checkpoint"]["longest_seq"]
+    assert s > 512
+    for length, most in ((s, device * 1.002), (s + s // 50, None)):
+        ids = torch.empty(2, length, dtype=torch.long, device="meta")
+        peak = estimate_memory(model, {"input_ids": ids, "labels": ids}).peak_bytes["checkpoint"]
+        assert peak <= most if most else peak > device, (length, peak, device)
+
+
+def run_main(capsys, *args):
+    from ckpt_offload.estimate_cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_table_and_errors(small_config, tmp_path, capsys):
+    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "1GiB",
+                            "--host-memory", "2TiB")
+    assert rc == 0, err
+    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"):
+        assert mode in out
+    rc, _, err = run_main(capsys, "--config", str(tmp_path / "nope.json"), "--seq", "8")
+    assert rc == 2 and "no such file" in err
+    rc, _, err = run_main(capsys, "--config", small_config, "--seq", "8", "--device-memory", "80 parsecs")
+    assert rc == 2 and "bad size" in err
+    rc, _, err = run_main(capsys, "--config", small_config, "--seq", "8", "--dtype", "int3")
+    assert rc == 2 and "unknown" in err
+    not_json = tmp_path / "bad.json"
+    not_json.write_text("{nope")
+    rc, _, err = run_main(capsys, "--config", str(not_json), "--seq", "8")
+    assert rc == 2 and "not a JSON file" in err
+
+
+def test_cli_without_device_memory_reports_null_fits(small_config, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU to read the free memory of
+    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "64", "--json", "--host-memory", "1TiB")
+    assert rc == 0, err
+    out = json.loads(out)
+    assert all(row["fits"] is None and row["longest_seq"] is None
+               for m, row in out["modes"].items() if m != "plan")
+    assert out["modes"]["plan"] is None
+
+
+def test_parse_size():
+    from ckpt_offload.estimate_cli import parse_size
+
+    assert parse_size("80GiB") == 80 * 2 ** 30 == parse_size("80G")
+    assert parse_size("2TiB") == 2 * 2 ** 40
+    assert parse_size("80GB") == 80 * 10 ** 9
+    assert parse_size("1.5GiB") == 3 * 2 ** 29
+    assert parse_size("4096") == 4096
