@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+import warnings
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
@@ -232,7 +233,9 @@ def main(argv=None) -> int:
         return _fail(f"--config {args.config!r} is not a JSON file: {e}")
     progress = _Progress(quiet=False)
     try:
-        report = run(args, progress)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notes, as peft calls it
+            report = run(args, progress)
     except ImportError as e:
         return _fail(f"{e} (the estimate builds the model with transformers; --lora-rank needs peft)")
     except (ValueError, KeyError) as e:
