@@ -9,18 +9,12 @@ from it; `"checkpoint+offload"` follows from `"checkpoint"` with each block's ch
 the host. Identical blocks are measured once: the first block, one more of each kind, the last; the
 others take their figures.
 
-`python -m ckpt_offload estimate` (the `main` below) does the same for a transformers config.json.
+`python -m ckpt_offload estimate` (ckpt_offload.estimate_cli) does the same for a transformers config.json.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import math
-import os
-import re
-import sys
-import time
 
 import torch
 from torch import nn
@@ -93,8 +87,8 @@ class _Live(TorchDispatchMode):
         if count is not None:
             try:
                 self.flops += int(count(*args, **kwargs, out_val=out))
-            except Exception:  # a formula that does not take this overload's arguments: no FLOPs
-                pass
+            except (TypeError, ValueError, RuntimeError, AttributeError):
+                pass  # a formula that does not take this overload's arguments: no FLOPs counted
         self.add(tree_leaves(out))
         return out
 
@@ -273,13 +267,11 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, inputs, loss_fn, attention):
-    """The CostModel pieces of the measured blocks: planner probes for "none" and "checkpoint", the
-    checkpoint inputs per block, the forward FLOPs per block, the attention backends used, and the
-    static bytes and logits bytes of the model as run."""
-    blocks = find_repeated_blocks(model)
+def _measure(model, blocks, inputs, loss_fn, attention):
+    """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
+    "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
+    logits bytes and the attention backends used."""
     n = len(blocks)
-    params = [p for p in model.parameters()]
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
     probes, host, flops, logits = {}, None, None, [0]
@@ -313,7 +305,7 @@ def _measure(model, inputs, loss_fn, attention):
                 disable_checkpointing(model)
             if m == "checkpoint":
                 host = saves.host
-    return blocks, probes, host, flops, logits[0], att.seen
+    return probes, host, flops, logits[0], att.seen
 
 
 class MemoryEstimate:
@@ -477,7 +469,8 @@ class MemoryEstimate:
         for m in MODES:
             peak = _fit([(s, ests[s].peak_bytes[m]) for s in lengths])
             host = _fit([(s, ests[s].host_bytes[m]) for s in lengths])
-            s = _largest(lambda x: peak(x) <= device_bytes and (host_bytes is None or host(x) <= host_bytes))
+            s = _largest(lambda x, peak=peak, host=host: peak(x) <= device_bytes
+                         and (host_bytes is None or host(x) <= host_bytes))
             fits_here = self.peak_bytes[m] <= device_bytes and (host_bytes is None or self.host_bytes[m] <= host_bytes)
             out[m] = max(s, s0) if fits_here else min(s, s0 - 1)
         return out
@@ -603,10 +596,18 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     subset = [blocks[i] for i in chosen]
     try:
         full_static = _static_bytes(model, [*params, *(p.grad for p in trainable)])
-        with _only(container, subset) if container is not None else contextlib.nullcontext():
-            sub_params = list(model.parameters())
-            sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-            _, probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, inputs, loss_fn, attention)
+        try:
+            with _only(container, subset) if container is not None else contextlib.nullcontext():
+                sub_params = list(model.parameters())
+                sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
+                probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+        except (IndexError, KeyError):
+            if container is None:
+                raise
+            # A model that indexes its blocks by number (not by iterating them): all of them, then.
+            container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
+            sub_static = full_static
+            probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
