@@ -642,6 +642,11 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
         o[key] += shift
     for key in ("fwd_head_peak", "bwd_head_peak"):
         o[key] += shift + full_kept_none - o["kept_none"]
+    # What a block leaves until the end of the forward but not into the backward (transformers' KV
+    # cache of a step without checkpointing): in the forward's levels, not in what the block keeps.
+    f = [probes["none"].marks[f"f{j}"][0] for j in range(k + 1)]
+    residue = [f[j + 1] - f[j] - cost_sub.kept["none"][j] for j in range(k)]
+    o["fwd_head_peak"] += sum(widen(residue)) - sum(residue)
     o["kept_none"] = full_kept_none
     for key in ("fwd_pre_ms", "fwd_head_ms", "bwd_head_ms", "bwd_pre_ms"):
         o[key] = 0.0

@@ -124,8 +124,8 @@ def test_math_attention_counts_the_probabilities():
 transformers = pytest.importorskip("transformers", reason="needs transformers for the model-config tests")
 
 
-def _config(kind, attn):
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+def _config(kind, attn, layers=4):
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common)
@@ -326,3 +326,18 @@ def test_parse_size():
     assert parse_size("80GB") == 80 * 10 ** 9
     assert parse_size("1.5GiB") == 3 * 2 ** 29
     assert parse_size("4096") == 4096
+
+
+def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeypatch):
+    cfg = _config("qwen3", "sdpa", layers=7)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.empty(2, 96, dtype=torch.long, device="meta")
+    import ckpt_offload.estimate as estimate
+
+    chosen, _ = estimate._representatives(ckpt_offload.find_repeated_blocks(model))
+    assert chosen == [0, 1, 6]
+    few = estimate_memory(model, {"input_ids": ids, "labels": ids})
+    monkeypatch.setattr(estimate, "_representatives", lambda blocks: (list(range(len(blocks))), list(range(len(blocks)))))
+    every = estimate_memory(model, {"input_ids": ids, "labels": ids})
+    assert few.peak_bytes == every.peak_bytes and few.host_bytes == every.host_bytes and few.parts == every.parts
