@@ -9,7 +9,7 @@ import sys
 
 COMMANDS = {
     "env": ("ckpt_offload.envreport", "what this machine, its torch and this build are (for bug reports)"),
-    "estimate": ("ckpt_offload.estimate", "the memory of a training step, sized on the meta device"),
+    "estimate": ("ckpt_offload.estimate_cli", "the memory of a training step, sized on the meta device"),
 }
 
 

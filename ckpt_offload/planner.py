@@ -80,15 +80,18 @@ class _Probe:
         return ta.elapsed_time(tb) if self.cuda else (tb - ta) * 1e3
 
 
-def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=True):
+def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=True, live=None):
     """One forward and backward with marks at each block boundary. Returns the probe. On the CPU,
-    track_memory=False leaves LiveBytes out (its per-op bookkeeping would dwarf the compute)."""
+    track_memory=False leaves LiveBytes out (its per-op bookkeeping would dwarf the compute); live:
+    the tracker to use instead of a new LiveBytes (the estimate's, on the meta device). Inputs: a
+    tuple of positional arguments or a dict of keyword arguments."""
     from .testing import LiveBytes
 
     cuda = device.type == "cuda"
     n = len(blocks)
     handles = []
-    live = LiveBytes() if not cuda and track_memory else None
+    if live is None:
+        live = LiveBytes() if not cuda and track_memory else None
     probe = _Probe(device, live)
 
     def grad_mark(name):
@@ -131,7 +134,9 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             elif cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             probe.mark("start")
-            loss = loss_fn(model(*example_inputs))
+            out = model(**example_inputs) if isinstance(example_inputs, dict) else model(*example_inputs)
+            loss = loss_fn(out)
+            del out
             probe.mark("fwd_end")
             loss.backward()
             del loss
@@ -608,7 +613,9 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         host_budget_bytes: the most bytes a step may send to the host (None: no cap).
         modes: the modes to choose from (default: all of `BLOCK_MODES`, the attention one where
             this torch has selective offload; on a CPU without `CKPT_OFFLOAD_TEST_CPU=1`, those
-            without offload, as CPU tensors are not offloaded there).
+            without offload, as CPU tensors are not offloaded there). A model on the meta device
+            is not profiled but estimated (`estimate_memory`: nothing allocated, times from FLOPs
+            at a nominal rate), with `"none"`, `"checkpoint"` and `"checkpoint+offload"`.
         verbose: print one line per profiled mode, and the choice, on stderr.
 
     Returns:
@@ -630,6 +637,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         raise TypeError(f"plan_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(verbose, bool):
         raise TypeError(f"plan_memory: verbose must be True or False, got {verbose!r}")
+    modes_given = modes is not None
     if modes is None:
         modes = [m for m in BLOCK_MODES if m != "checkpoint+offload+attention" or policies.HAS_OFFLOAD_POLICY]
         params = list(model.parameters())
@@ -640,7 +648,19 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
     bad = [m for m in modes if m not in BLOCK_MODES]
     if bad or not modes:
         raise ValueError(f"plan_memory: modes must be a non-empty list from {BLOCK_MODES}, got {modes!r}")
-    cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
+    params = list(model.parameters())
+    if params and params[0].device.type == "meta":
+        # A model on the meta device: the bytes from estimate_memory (no optimizer states, as the
+        # budget counts none), the times from FLOPs at a nominal rate; its modes only.
+        from .estimate import estimate_memory
+
+        cost = estimate_memory(model, example_inputs, optimizer=None, loss_fn=loss_fn).cost_model
+        missing = [m for m in modes if m not in cost.modes]
+        if missing and modes_given:
+            raise ValueError(f"plan_memory: on the meta device the modes are {cost.modes}; {missing} cannot be estimated")
+        modes = [m for m in modes if m in cost.modes]
+    else:
+        cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
     return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
 
 

@@ -1,0 +1,668 @@
+"""estimate_memory: the device and host memory of a training step, sized on the meta device.
+
+The model and its inputs live on the meta device, so nothing is allocated: the step's forward and
+backward run there once per measured mode ("none" and "checkpoint") under a dispatch mode that keeps
+the live bytes of every storage, with marks at the repeated blocks' boundaries, exactly as
+`plan_memory` profiles a real step. The result is a `planner.CostModel` (the bytes measured, times
+from the operations' FLOPs at a nominal rate) and the peaks of the uniform configurations composed
+from it; `"checkpoint+offload"` follows from `"checkpoint"` with each block's checkpointed inputs on
+the host. Identical blocks are measured once: the first block, one more of each kind, the last; the
+others take their figures.
+
+`python -m ckpt_offload estimate` (ckpt_offload.estimate_cli) does the same for a transformers config.json.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import planner as _planner
+from .model import disable_checkpointing, enable_block_modes, find_repeated_blocks
+from .training import training_mode
+
+MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
+ATTENTION = ("flash", "efficient", "math")
+OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, None: 0, "none": 0}  # device bytes per trainable element
+# Times in the cost model: FLOPs at a nominal rate, copies at a nominal PCIe rate. They rank plans;
+# they are not a prediction of a step's time on any device.
+_NOMINAL_FLOPS_PER_MS = 2e11  # 200 TFLOP/s
+_NOMINAL_COPY_GB_PER_S = 25.0
+
+
+def _nbytes(t):
+    return t.untyped_storage().nbytes()
+
+
+class _Live(TorchDispatchMode):
+    """LiveBytes for any device (meta included): after every op, the storages of its outputs join
+    the live set until they are freed; `peak` is the most bytes live at once. Storages are keyed by
+    their implementation, which meta storages (no data pointer) have too. Also counts the FLOPs of
+    the matrix products and attention (torch's flop counter's formulas)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils.flop_counter import flop_registry
+
+        self._ref = StorageWeakRef
+        self._flops = flop_registry
+        self._live = {}  # storage key -> (weak reference, bytes)
+        self.now = 0
+        self.peak = 0
+        self.flops = 0
+
+    def _drop_dead(self):
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self.now -= self._live.pop(k)[1]
+
+    def add(self, tensors):
+        self._drop_dead()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter):
+                s = t.untyped_storage()
+                key = s._cdata
+                if key not in self._live:
+                    self._live[key] = (self._ref(s), s.nbytes())
+                    self.now += s.nbytes()
+        self.peak = max(self.peak, self.now)
+
+    def current(self):
+        self._drop_dead()
+        return self.now
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # A value read on the meta device (transformers asks whether a mask has padding, or whether
+            # sequences are packed: `(...).all()`): true for a flag, zero for a number.
+            return True if args[0].dtype == torch.bool else 0
+        out = func(*args, **kwargs)
+        count = self._flops.get(func._overloadpacket)
+        if count is not None:
+            try:
+                self.flops += int(count(*args, **kwargs, out_val=out))
+            except (TypeError, ValueError, RuntimeError, AttributeError):
+                pass  # a formula that does not take this overload's arguments: no FLOPs counted
+        self.add(tree_leaves(out))
+        return out
+
+
+def default_attention(dtype, head_dim, has_mask) -> str:
+    """The SDPA backend torch picks on a recent NVIDIA GPU (sm80 and later), as far as memory goes:
+    flash for fp16/bf16 without an explicit mask and a head dim of at most 256; memory-efficient
+    otherwise (fp32, a mask, or a larger head dim) when the head dim is a multiple of 8 (flash and
+    memory-efficient keep the output and the log-sum-exp, not the probabilities); math (the
+    `[batch, heads, s, s]` probabilities saved) for what neither takes."""
+    if dtype in (torch.float16, torch.bfloat16) and not has_mask and head_dim <= 256:
+        return "flash"
+    if head_dim % 8 == 0:
+        return "efficient"
+    return "math"
+
+
+class _Attention:
+    """Routes F.scaled_dot_product_attention to the backend counted while it is entered (on the meta
+    device SDPA takes the math path), so that autograd saves what that backend's kernel saves. The
+    function is looked up at each call by torch's modules and transformers', so it is replaced on
+    torch.nn.functional for the estimate's steps (the recompute in backward included)."""
+
+    def __init__(self, attention):
+        self.attention = attention
+        self.seen = set()
+        self._original = None
+
+    def __enter__(self):
+        self._original = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._original
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        q, k, v, mask = query, key, value, attn_mask
+        backend = self.attention or default_attention(q.dtype, q.shape[-1], mask is not None)
+        if backend == "flash" and mask is not None:
+            backend = "efficient"  # flash takes no mask
+        self.seen.add(backend)
+        if backend == "math" or q.device.type != "meta":
+            return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                  scale=scale, enable_gqa=enable_gqa)
+        if k.shape[-3] != q.shape[-3] and backend == "efficient":
+            # Grouped-query attention: the memory-efficient kernel takes as many key heads as query heads.
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+        if backend == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                      scale=scale)[0]
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)  # the additive bias torch makes of it
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+
+
+def _signature(block):
+    params = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
+    kind = tuple(getattr(block, a, None) for a in ("attention_type", "sliding_window", "is_sliding"))
+    return (type(block), params, repr(kind))
+
+
+def _representatives(blocks):
+    """The blocks measured (indices, in order) and, per block, the measured one it takes its figures
+    from: the first and the last as themselves, the others from the first of their kind after block 0."""
+    n = len(blocks)
+    sigs = [_signature(b) for b in blocks]
+    first = {}
+    for i in range(1, n):
+        first.setdefault(sigs[i], i)
+    chosen = sorted({0, n - 1, *first.values()})
+    source = [i if i in (0, n - 1) else first[sigs[i]] for i in range(n)]
+    return chosen, source
+
+
+def _container_of(model, blocks):
+    ids = {id(b) for b in blocks}
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and ids <= {id(c) for c in m._modules.values()}:
+            return m
+    return None
+
+
+@contextlib.contextmanager
+def _only(container, keep):
+    """The container holds only the modules `keep` inside (the others come back after)."""
+    saved = container._modules
+    container._modules = type(saved)((str(i), b) for i, b in enumerate(keep))
+    try:
+        yield
+    finally:
+        container._modules = saved
+
+
+def _static_bytes(model, params):
+    seen, total = set(), 0
+    for t in [*params, *model.buffers()]:
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+    return total
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs)
+
+
+class _InputSaves:
+    """Saved-tensor hooks around the step: what is saved while a checkpointed block's forward runs
+    outside torch's own checkpoint hooks is the checkpoint's inputs (what an offload sends)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+        self.current = None
+        self.host = [0] * len(blocks)
+        self.handles = []
+
+    def pack(self, t):
+        if self.current is not None and not torch.jit.is_scripting():
+            if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t):
+                self.host[self.current] += t.numel() * t.element_size()
+        return t
+
+    def _is_weight(self, t):
+        base = t._base if t._base is not None else t
+        return isinstance(base, nn.Parameter) or base.untyped_storage()._cdata in self.weights
+
+    def __enter__(self):
+        from .midpoints import _in_backward
+
+        self.weights = set()
+        for b in self.blocks:
+            for p in [*b.parameters(), *b.buffers()]:
+                self.weights.add(p.untyped_storage()._cdata)
+
+        def pre(i):
+            def hook(module, args, kwargs=None):
+                if not _in_backward() and torch.is_grad_enabled():
+                    self.current = i
+            return hook
+
+        def post(module, args, out):
+            self.current = None
+
+        for i, b in enumerate(self.blocks):
+            self.handles.append(b.register_forward_pre_hook(pre(i)))
+            self.handles.append(b.register_forward_hook(post))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+
+
+def _flop_marks(blocks, live):
+    """Forward hooks that note the FLOPs of each block's forward (in the step without checkpointing)."""
+    flops = [0] * len(blocks)
+    start = {}
+    handles = []
+    for i, b in enumerate(blocks):
+        def pre(module, args, i=i):
+            start[i] = live.flops
+
+        def post(module, args, out, i=i):
+            flops[i] += live.flops - start.pop(i, live.flops)
+
+        handles += [b.register_forward_pre_hook(pre), b.register_forward_hook(post)]
+    return flops, handles
+
+
+def _measure(model, blocks, inputs, loss_fn, attention):
+    """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
+    "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
+    logits bytes and the attention backends used."""
+    n = len(blocks)
+    loss_fn = loss_fn or _planner._default_loss
+    att = _Attention(attention)
+    probes, host, flops, logits = {}, None, None, [0]
+
+    def loss_of(out):
+        logits_t = getattr(out, "logits", None)
+        if isinstance(logits_t, torch.Tensor):
+            # transformers' loss upcasts the logits to fp32 first (a copy when they are not fp32).
+            extra = logits_t.numel() * 4 if logits_t.dtype != torch.float32 and getattr(out, "loss", None) is not None else 0
+            logits[0] = logits_t.numel() * logits_t.element_size() + extra
+        elif isinstance(out, torch.Tensor):
+            logits[0] = out.numel() * out.element_size()
+        return loss_fn(out)
+
+    disable_checkpointing(model)
+    with training_mode(model), att:
+        for m in ("none", "checkpoint"):
+            if m != "none":
+                enable_block_modes(model, [m] * n, layers=blocks)
+            live = _Live()
+            handles = []
+            if m == "none":
+                flops, handles = _flop_marks(blocks, live)
+            saves = _InputSaves(blocks) if m == "checkpoint" else contextlib.nullcontext()
+            try:
+                with saves:
+                    probes[m] = _planner._measured_step(model, blocks, inputs, loss_of, torch.device("meta"), live=live)
+            finally:
+                for h in handles:
+                    h.remove()
+                disable_checkpointing(model)
+            if m == "checkpoint":
+                host = saves.host
+    return probes, host, flops, logits[0], att.seen
+
+
+class MemoryEstimate:
+    """What `estimate_memory` found: per mode the peak device bytes of a training step and the bytes
+    it sends to the host, the parts around the blocks, and the cost model behind them.
+
+    Attributes:
+        peak_bytes (dict[str, int]): per mode (`"none"`, `"checkpoint"`, `"checkpoint+offload"`
+            with every block's input on the host, `"every_n=2"`: blocks 0, 2, 4, ... checkpointed),
+            the peak device bytes of a step: weights, gradients (kept allocated), optimizer states,
+            inputs, activations, logits and loss, the backward's transient.
+        host_bytes (dict[str, int]): per mode, the bytes a step sends to the host.
+        parts (dict[str, int]): `weights_bytes`, `grads_bytes`, `optimizer_bytes`, `logits_bytes`
+            (the logits, and their fp32 copy where transformers' loss makes one) and
+            `checkpoint_input_bytes` (what every block's checkpoint keeps: its inputs).
+        modes (dict[str, list[str]]): per mode, the mode of each block (as `enable_block_modes`
+            takes them).
+        cost_model (planner.CostModel): per block and mode, the bytes measured on the meta device
+            and times from FLOPs at a nominal rate; `plan()` searches it.
+        seq (int | None): the sequence length of the inputs (dimension 1 of the first input).
+        batch (int | None): their batch size (dimension 0).
+        attention (list[str]): the SDPA backends counted (empty for a model without SDPA calls).
+    """
+
+    def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None):
+        self.cost_model = cost_model
+        self.extra_bytes = int(extra_bytes)  # optimizer states: on the device through the whole step
+        self.parts = dict(parts)
+        self.seq = seq
+        self.batch = batch
+        self.attention = sorted(attention)
+        self._resize = resize  # seq -> MemoryEstimate, for longest_fitting
+        n = cost_model.n
+        self.modes = {
+            "none": ["none"] * n,
+            "checkpoint": ["checkpoint"] * n,
+            "checkpoint+offload": ["checkpoint+offload"] * n,
+            "every_n=2": _planner.uniform_modes(n, 2, False),
+        }
+        self.peak_bytes = {m: self.peak_of(v) for m, v in self.modes.items()}
+        self.host_bytes = {m: cost_model.host_bytes(v) for m, v in self.modes.items()}
+
+    def peak_of(self, modes) -> int:
+        """The peak device bytes of a step with one mode per block (from `"none"`, `"checkpoint"`,
+        `"checkpoint+offload"`).
+
+        Args:
+            modes: one mode per repeated block, in forward order.
+
+        Returns:
+            int: the predicted peak, optimizer states included.
+        """
+        return int(self.cost_model.peak(list(modes)) + self.extra_bytes)
+
+    def plan(self, device_bytes: int, host_bytes=None):
+        """The fastest per-block plan predicted to fit, from the estimate (no profiling).
+
+        Args:
+            device_bytes: the peak device memory a step may reach, optimizer states included.
+            host_bytes: the most bytes a step may send to the host (None: no cap).
+
+        Returns:
+            MemoryPlan: its `predicted_peak_bytes` includes the optimizer states.
+
+        Raises:
+            ValueError: nothing fits.
+        """
+        budget = int(device_bytes) - self.extra_bytes
+        if budget <= 0:
+            raise ValueError(f"MemoryEstimate.plan: the optimizer states alone ({self.extra_bytes} bytes) "
+                             f"take the device's {device_bytes} bytes")
+        cost = self.cost_model
+        if len(cost.modes) ** cost.n <= _planner._EXHAUSTIVE_LIMIT:
+            plan = _planner.plan_from_cost(cost, budget, None if host_bytes is None else int(host_bytes))
+        else:
+            plan = self._structured_plan(budget, host_bytes)
+        plan.predicted_peak_bytes += self.extra_bytes
+        plan.budget_bytes = int(device_bytes)
+        if plan.smallest_peak_bytes is not None:
+            plan.smallest_peak_bytes += self.extra_bytes
+        return plan
+
+    def _structured_plan(self, budget, host_budget):
+        """Many blocks: every assignment with the offloaded blocks at the bottom, the checkpointed
+        ones above them and the kept ones at the top (or the kept ones interleaved every other
+        block), the fastest predicted to fit; O(n^2) predictions."""
+        cost = self.cost_model
+        n = cost.n
+        best, smallest = None, None
+        for off in range(n + 1):
+            for ck in range(n - off + 1):
+                keep = n - off - ck
+                for assign in (["checkpoint+offload"] * off + ["checkpoint"] * ck + ["none"] * keep,):
+                    peak, ms, hb = cost.predict(assign)
+                    if host_budget is not None and hb > host_budget:
+                        continue
+                    if smallest is None or peak < smallest[0]:
+                        smallest = (peak, assign)
+                    if peak <= budget and (best is None or ms < best[1]):
+                        best = (assign, ms, peak, hb)
+        if best is None:
+            low = "none" if smallest is None else f"{smallest[0] + self.extra_bytes} bytes"
+            raise ValueError(f"MemoryEstimate.plan: nothing fits {budget + self.extra_bytes} device bytes; the smallest "
+                             f"peak is {low}")
+        assign, ms, peak, hb = best
+        rows = [dict(mode=m, device_bytes=int(cost.kept[m][i]), host_bytes=int(cost.host[m][i]),
+                     ms=cost.fwd_ms[m][i] + cost.bwd_ms[m][i]) for i, m in enumerate(assign)]
+        return _planner.MemoryPlan(assign, peak, ms, hb, budget, rows, cost, smallest_peak_bytes=smallest[0])
+
+    def table(self) -> str:
+        """The estimate as a table: per mode the peak device GiB and the host GiB; then the parts.
+
+        Returns:
+            str: one row per mode, then one line per part.
+        """
+        gib = 2 ** 30
+        lines = [f"{'mode':<20} {'device GiB':>11} {'host GiB':>10}"]
+        for m in MODES:
+            lines.append(f"{m:<20} {self.peak_bytes[m] / gib:>11.3f} {self.host_bytes[m] / gib:>10.3f}")
+        lines += [f"{k:<24} {v / gib:>10.3f} GiB" for k, v in self.parts.items()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The estimate as JSON.
+
+        Returns:
+            str: `seq`, `batch`, `attention`, `peak_bytes`, `host_bytes` (per mode) and `parts`.
+        """
+        return json.dumps(dict(seq=self.seq, batch=self.batch, attention=self.attention, peak_bytes=self.peak_bytes,
+                               host_bytes=self.host_bytes, parts=self.parts))
+
+    def longest_fitting(self, device_bytes, host_bytes=None) -> dict:
+        """Per mode, the longest sequence that fits for this estimate's batch.
+
+        Three estimates (this one, at half and at a quarter of its length) fit each mode's peak and
+        host bytes as `a + b*s + c*s^2` (the quadratic term from attention that keeps its
+        probabilities: math SDPA, eager attention); two, and a line, where the attention counted is
+        flash or memory-efficient. The longest `s` within both budgets is read off the fit, and
+        made consistent with this estimate at its own length (it fits there exactly when the
+        longest is at least this length).
+
+        Args:
+            device_bytes: the device memory a step may reach.
+            host_bytes: the host memory the step's offloads may take (None: no cap).
+
+        Returns:
+            dict[str, int | None]: per mode (and `"plan"`, the best per-block plan at each length),
+                the longest sequence, or 0 when not even length 1 fits; None where the inputs cannot
+                be resized (an estimate made without `estimate_memory`'s own inputs).
+        """
+        if self._resize is None or not self.seq:
+            return {m: None for m in MODES}
+        s0 = self.seq
+        lengths = {s0, max(1, s0 // 2), max(1, s0 // 4)}
+        if self.attention and "math" not in self.attention:
+            # Attention that keeps no probabilities: every term is linear in the length; two suffice.
+            lengths = {s0, max(1, s0 // 2)}
+        lengths = sorted(lengths)
+        ests = {s: (self if s == s0 else self._resize(s)) for s in lengths}
+        out = {}
+        for m in MODES:
+            peak = _fit([(s, ests[s].peak_bytes[m]) for s in lengths])
+            host = _fit([(s, ests[s].host_bytes[m]) for s in lengths])
+            s = _largest(lambda x, peak=peak, host=host: peak(x) <= device_bytes
+                         and (host_bytes is None or host(x) <= host_bytes))
+            fits_here = self.peak_bytes[m] <= device_bytes and (host_bytes is None or self.host_bytes[m] <= host_bytes)
+            out[m] = max(s, s0) if fits_here else min(s, s0 - 1)
+        return out
+
+
+def _fit(points):
+    """The quadratic (or lower) through up to three (s, y) points, as a function."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        (s, y), = pts
+        return lambda x: y * x / s
+    if len(pts) == 2:
+        (s1, y1), (s2, y2) = pts
+        b = (y2 - y1) / (s2 - s1)
+        return lambda x: y1 + b * (x - s1)
+    (s1, y1), (s2, y2), (s3, y3) = pts
+    d1 = (y2 - y1) / (s2 - s1)
+    d2 = (y3 - y2) / (s3 - s2)
+    c = max(0.0, (d2 - d1) / (s3 - s1))
+    b = d1 - c * (s1 + s2)
+    a = y1 - b * s1 - c * s1 * s1
+    return lambda x: a + b * x + c * x * x
+
+
+def _largest(ok, limit=1 << 40):
+    """The largest integer s >= 1 with ok(s) (ok monotone: true then false), 0 when ok(1) is false."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit:
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _seq_of(inputs):
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return t.shape[0], t.shape[1]
+    return None, None
+
+
+def _resized(inputs, seq, new):
+    """The inputs with every dimension after the first that equals seq set to new (meta tensors)."""
+    def one(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = [new if d > 0 and s == seq else s for d, s in enumerate(t.shape)]
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+    return torch.utils._pytree.tree_map(one, inputs)
+
+
+def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None) -> MemoryEstimate:
+    """The memory of one training step of `model` on `example_inputs`, sized on the meta device.
+
+    Build the model under `torch.device("meta")` (or transformers' `from_config` there): nothing
+    is allocated. The step's forward and backward run on meta twice, without checkpointing and
+    with every repeated block (`find_repeated_blocks`) checkpointed, counting the live bytes of
+    every storage at each block boundary, as `plan_memory` measures a real step. The other modes
+    are composed from those. The docs' "Sizing a step before it runs" page explains the model.
+
+    Args:
+        model: the model, its parameters and buffers on the meta device; the trainable parameters
+            (`requires_grad`) get gradients and optimizer states.
+        example_inputs: the model's positional arguments (a tuple) or keyword arguments (a dict),
+            meta tensors; dimension 0 is the batch, dimension 1 the sequence.
+        optimizer: `"adamw"` (two fp32 states per trainable element), `"sgd"` (its momentum, one),
+            or None.
+        loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
+            squared output).
+        attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
+            the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
+            (see `default_attention`). Models in eager attention are counted as they run.
+
+    Returns:
+        MemoryEstimate: per mode the peak and host bytes, the parts, `table()`, `to_json()`,
+            `longest_fitting()` and `plan()`.
+
+    Raises:
+        TypeError: `model` is not a module, or `example_inputs` neither a tuple nor a dict.
+        ValueError: the model is not on the meta device, has no repeated blocks, or an argument
+            is not one of those above.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"estimate_memory: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, (tuple, dict)):
+        raise TypeError(f"estimate_memory: example_inputs must be a tuple (positional) or a dict (keyword "
+                        f"arguments), got {type(example_inputs).__name__}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"estimate_memory: optimizer must be one of 'adamw', 'sgd' or None, got {optimizer!r}")
+    if attention is not None and attention not in ATTENTION:
+        raise ValueError(f"estimate_memory: attention must be one of {ATTENTION} or None, got {attention!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"estimate_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    off_meta = sorted({str(t.device) for t in tensors if t.device.type != "meta"})
+    if off_meta:
+        raise ValueError(f"estimate_memory: the model and its inputs must be on the meta device (build the model "
+                         f"under torch.device('meta')); found tensors on {off_meta}")
+    blocks = find_repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"estimate_memory: no repeated blocks found in {type(model).__name__}")
+    return _estimate(model, blocks, example_inputs, optimizer, loss_fn, attention)
+
+
+def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
+    n = len(blocks)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    for p in trainable:
+        if p.grad is None:
+            p.grad = torch.empty_like(p)  # kept allocated, as in a steady-state step
+    chosen, source = _representatives(blocks)
+    container = _container_of(model, blocks) if len(chosen) < n else None
+    if container is None:
+        chosen, source = list(range(n)), list(range(n))
+    subset = [blocks[i] for i in chosen]
+    try:
+        full_static = _static_bytes(model, [*params, *(p.grad for p in trainable)])
+        try:
+            with _only(container, subset) if container is not None else contextlib.nullcontext():
+                sub_params = list(model.parameters())
+                sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
+                probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+        except (IndexError, KeyError):
+            if container is None:
+                raise
+            # A model that indexes its blocks by number (not by iterating them): all of them, then.
+            container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
+            sub_static = full_static
+            probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    k = len(subset)
+    cost_sub = _planner._compose(probes, probes, k, [], torch.device("meta"))
+    pos = {b: j for j, b in enumerate(chosen)}
+    where = [pos[source[i]] for i in range(n)]
+
+    def widen(per_block):
+        return [per_block[where[i]] for i in range(n)]
+
+    kept = {m: widen(v) for m, v in cost_sub.kept.items()}
+    bwd_excess = {m: widen(v) for m, v in cost_sub.bwd_excess.items()}
+    fwd_excess = {m: widen(v) for m, v in cost_sub.fwd_excess.items()}
+    host_in = widen(host_sub)
+    host = {"none": [0] * n, "checkpoint": [0] * n, "checkpoint+offload": host_in}
+    # A checkpointed block whose input waits on the host keeps nothing else; its forward and its
+    # backward's recompute (the input reloaded) rise as the plain checkpoint's.
+    kept["checkpoint+offload"] = [a - h for a, h in zip(kept["checkpoint"], host_in)]
+    bwd_excess["checkpoint+offload"] = list(bwd_excess["checkpoint"])
+    fwd_excess["checkpoint+offload"] = list(fwd_excess["checkpoint"])
+    flops = widen(flops_sub)
+    fwd_ms = [f / _NOMINAL_FLOPS_PER_MS for f in flops]
+    bwd = [2 * f for f in fwd_ms]
+    fwd_ms_d = {m: list(fwd_ms) for m in host}
+    bwd_ms_d = {"none": bwd, "checkpoint": [b + f for b, f in zip(bwd, fwd_ms)]}
+    bwd_ms_d["checkpoint+offload"] = list(bwd_ms_d["checkpoint"])
+    o = dict(cost_sub.outside)
+    shift = full_static - sub_static
+    full_kept_none = sum(kept["none"])
+    for key in ("fwd_pre_peak", "fwd_level", "bwd_level", "bwd_pre_peak"):
+        o[key] += shift
+    for key in ("fwd_head_peak", "bwd_head_peak"):
+        o[key] += shift + full_kept_none - o["kept_none"]
+    # What a block leaves until the end of the forward but not into the backward (transformers' KV
+    # cache of a step without checkpointing): in the forward's levels, not in what the block keeps.
+    f = [probes["none"].marks[f"f{j}"][0] for j in range(k + 1)]
+    residue = [f[j + 1] - f[j] - cost_sub.kept["none"][j] for j in range(k)]
+    o["fwd_head_peak"] += sum(widen(residue)) - sum(residue)
+    o["kept_none"] = full_kept_none
+    for key in ("fwd_pre_ms", "fwd_head_ms", "bwd_head_ms", "bwd_pre_ms"):
+        o[key] = 0.0
+    cost = _planner.CostModel(n=n, modes=["none", "checkpoint", "checkpoint+offload"], kept=kept,
+                              bwd_excess=bwd_excess, fwd_excess=fwd_excess, host=host, fwd_ms=fwd_ms_d,
+                              bwd_ms=bwd_ms_d, outside=o, d2h_gb_per_s=_NOMINAL_COPY_GB_PER_S,
+                              h2d_gb_per_s=_NOMINAL_COPY_GB_PER_S, synchronous_copies=False)
+    weights = _static_bytes(model, params) - _static_bytes(model, [])
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    opt = OPTIMIZERS[optimizer] * sum(p.numel() for p in trainable)
+    parts = dict(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt, logits_bytes=int(logits_bytes),
+                 checkpoint_input_bytes=int(sum(host_in)))
+    batch, seq = _seq_of(inputs)
+
+    def resize(new_seq):
+        return _estimate(model, blocks, _resized(inputs, seq, new_seq), optimizer, loss_fn, attention)
+
+    return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=seen,
+                          resize=resize if seq else None)

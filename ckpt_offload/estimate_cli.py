@@ -1,0 +1,256 @@
+"""`python -m ckpt_offload estimate`: the memory of a training step of a transformers config, sized on
+the meta device (no GPU, no weights, no network), per mode, against a device and a node."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+
+_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+           "fp32": "float32", "float32": "float32", "float": "float32"}
+MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: expected a number with an optional unit, such as 80GiB, 80G, 80GB, 2TiB or 1073741824")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be positive")
+    return value
+
+
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m ckpt_offload estimate",
+        description="The device and host memory of one training step of a transformers model, per "
+                    "checkpointing / offload mode, estimated on the meta device (no GPU, no weights).")
+    p.add_argument("--config", required=True, help="a transformers config.json")
+    p.add_argument("--seq", type=_positive, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences per step on one rank (default 1)")
+    p.add_argument("--dtype", default=None,
+                   help="bf16, fp16 or fp32 (default: the config's dtype, else bf16)")
+    p.add_argument("--lora-rank", type=_positive, default=None,
+                   help="LoRA adapters of this rank on the attention and MLP projections, the rest frozen")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "efficient", "math", "eager"],
+                   help="the SDPA backend counted (auto: what torch picks on a GPU), or eager attention")
+    p.add_argument("--device-memory", type=parse_size, default=None,
+                   help="device memory per rank, e.g. 80GiB (default: this machine's GPU's free memory, if any)")
+    p.add_argument("--host-memory", type=parse_size, default=None,
+                   help="host memory of the node, e.g. 2TiB (default: this machine's available memory)")
+    p.add_argument("--ranks-per-node", type=_positive, default=None,
+                   help="ranks sharing the node's host memory (default: LOCAL_WORLD_SIZE, else 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+class _Progress:
+    """Progress lines on stderr, only once the command has run for more than a second."""
+
+    def __init__(self, quiet=False):
+        self.start = time.perf_counter()
+        self.pending = None
+        self.quiet = quiet
+
+    def __call__(self, msg):
+        if self.quiet:
+            return
+        if time.perf_counter() - self.start > 1.0:
+            print(f"estimate: {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg) -> int:
+    print(f"python -m ckpt_offload estimate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _hardware(args):
+    """(device bytes or None, node host bytes or None, ranks per node): the flags, else this machine's."""
+    from . import hostmem
+
+    device = args.device_memory
+    if device is None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = int(torch.cuda.mem_get_info()[0])
+    host = args.host_memory if args.host_memory is not None else hostmem.memory_available_bytes()
+    ranks = args.ranks_per_node if args.ranks_per_node is not None else hostmem.local_world_size()
+    return device, host, ranks
+
+
+def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto"):
+    """(model on meta, its name, the torch dtype) from a config.json."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # no notes about use_cache under checkpointing
+    cfg = transformers.AutoConfig.from_pretrained(config_path)
+    name = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
+    if dtype_name is None:
+        dtype_name = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "bfloat16")
+        dtype_name = dtype_name.replace("torch.", "")
+    dtype = getattr(torch, _DTYPES[dtype_name])
+    cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        if lora_rank:
+            model = _lora(model, lora_rank)
+    return model, name, dtype
+
+
+def _lora(model, rank):
+    """peft LoRA on every linear projection inside the repeated blocks (attention and MLP)."""
+    import peft
+    from torch import nn
+
+    from .model import find_repeated_blocks
+
+    targets = sorted({name.rsplit(".", 1)[-1] for b in find_repeated_blocks(model)
+                      for name, m in b.named_modules() if isinstance(m, nn.Linear)})
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
+def run(args, progress=None):
+    """The report as a dict (the --json schema)."""
+    import torch
+
+    from .estimate import estimate_memory
+
+    progress = progress or _Progress(quiet=True)
+    progress("building the model on the meta device")
+    model, name, dtype = build_model(args.config, args.dtype, args.lora_rank, args.attention)
+    ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+    progress(f"estimating batch {args.batch} x {args.seq} tokens")
+    attention = None if args.attention in ("auto", "eager") else args.attention
+    est = estimate_memory(model, {"input_ids": ids, "labels": ids},
+                          optimizer=None if args.optimizer == "none" else args.optimizer, attention=attention)
+    device, host, ranks = _hardware(args)
+    host_rank = None if host is None else host // ranks
+    longest = {}
+    if device is not None:
+        progress("fitting the longest sequences")
+        longest = est.longest_fitting(device, host_rank)
+    modes = {}
+    for m in MODES:
+        peak, hb = est.peak_bytes[m], est.host_bytes[m]
+        fits = None
+        if device is not None:
+            fits = bool(peak <= device and (host is None or hb * ranks <= host))
+        modes[m] = dict(device_peak_bytes=int(peak), host_bytes_per_rank=int(hb), host_bytes_per_node=int(hb * ranks),
+                        fits=fits, longest_seq=longest.get(m))
+    modes["plan"] = None
+    if device is not None:
+        progress("searching the per-block plans")
+        try:
+            plan = est.plan(device, host_rank)
+            modes["plan"] = dict(device_peak_bytes=plan.predicted_peak_bytes,
+                                 host_bytes_per_rank=plan.predicted_host_bytes,
+                                 host_bytes_per_node=plan.predicted_host_bytes * ranks, fits=True,
+                                 longest_seq=max(args.seq, *(longest[m] for m in MODES)),
+                                 blocks=_runs(plan.modes))
+        except ValueError:
+            low = min(MODES, key=lambda m: est.peak_bytes[m])
+            modes["plan"] = dict(modes[low], fits=False, blocks=_runs(est.modes[low]))
+    return {"model": name, "seq": args.seq, "batch": args.batch, "dtype": str(dtype).replace("torch.", ""),
+            "device_memory_bytes": device, "host_memory_bytes": host, "ranks_per_node": ranks,
+            "attention": est.attention, "modes": modes, "parts": est.parts}
+
+
+def _runs(modes):
+    """"12 x checkpoint+offload, 68 x none": a plan's modes in runs."""
+    out = []
+    for m in modes:
+        if out and out[-1][1] == m:
+            out[-1][0] += 1
+        else:
+            out.append([1, m])
+    return ", ".join(f"{k} x {m}" for k, m in out)
+
+
+def _gib(b):
+    return "-" if b is None else f"{b / 2 ** 30:.2f}"
+
+
+def format_report(r) -> str:
+    lines = [f"{r['model']}: batch {r['batch']} x {r['seq']} tokens, {r['dtype']}, attention "
+             f"{'/'.join(r['attention']) or 'eager'}; device {_gib(r['device_memory_bytes'])} GiB, host "
+             f"{_gib(r['host_memory_bytes'])} GiB per node, {r['ranks_per_node']} ranks per node",
+             f"{'mode':<20} {'device GiB':>10} {'host GiB/rank':>13} {'host GiB/node':>13} {'fits':>5} {'longest seq':>12}"]
+    for m, row in r["modes"].items():
+        if row is None:
+            continue
+        fits = "-" if row["fits"] is None else "yes" if row["fits"] else "no"
+        longest = "-" if row["longest_seq"] is None else str(row["longest_seq"])
+        lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
+                     f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}")
+    plan = r["modes"].get("plan")
+    if plan is not None:
+        lines.append(f"plan: {plan['blocks']}" + ("" if plan["fits"] else " (the smallest peak; nothing fits)"))
+    lines.append("parts: " + ", ".join(f"{k.replace('_bytes', '')} {_gib(v)} GiB" for k, v in r["parts"].items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if not os.path.isfile(args.config):
+        return _fail(f"--config {args.config!r}: no such file")
+    if args.dtype is not None and args.dtype.lower() not in _DTYPES:
+        return _fail(f"--dtype {args.dtype!r}: unknown; use bf16, fp16 or fp32")
+    if args.dtype is not None:
+        args.dtype = args.dtype.lower()
+    try:
+        with open(args.config) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return _fail(f"--config {args.config!r} is not a JSON file: {e}")
+    progress = _Progress(quiet=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notes, as peft calls it
+            report = run(args, progress)
+    except ImportError as e:
+        return _fail(f"{e} (the estimate builds the model with transformers; --lora-rank needs peft)")
+    except (ValueError, KeyError) as e:
+        return _fail(f"--config {args.config!r}: {e}")
+    if args.json:
+        out = {k: report[k] for k in ("model", "seq", "batch")}
+        out["modes"] = {m: (None if row is None else {k: row[k] for k in (
+            "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
+            for m, row in report["modes"].items()}
+        out["parts"] = report["parts"]
+        print(json.dumps(out))
+    else:
+        print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
