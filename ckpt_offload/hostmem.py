@@ -125,15 +125,34 @@ def numa_nodes():
 
 
 def local_world_size() -> int:
-    """How many ranks of this job share the node: `LOCAL_WORLD_SIZE` as torchrun, accelerate and
-    DeepSpeed's launcher set it (never `WORLD_SIZE`, which counts every node's ranks); 1 when unset."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if value == "":
-        return 1
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}")
-    return n
+    """How many ranks of this job share the node: `LOCAL_WORLD_SIZE` as torchrun and accelerate set
+    it, else `LOCAL_SIZE` (DeepSpeed's launcher and some MPI launchers); 1 when neither is set.
+    Never `WORLD_SIZE`, which counts every node's ranks."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value == "":
+            continue
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
+        if n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        return n
+    return 1
+
+
+def host_share_bytes(fraction: float = 0.5):
+    """This rank's share of the node's host memory: floor(memory_available_bytes() * fraction /
+    local_world_size()), the ranks of one node dividing what is available now (the cgroup's limit
+    included) equally. None where the available memory cannot be read.
+
+    fraction: the part of the available memory the node's ranks may pin together, in (0, 1]; the
+    rest stays for the data loaders, the optimizer's host state and the page cache.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"host_share_bytes: fraction must be a number in (0, 1], got {fraction!r}")
+    available = memory_available_bytes()
+    if available is None:
+        return None
+    return int(available * fraction) // local_world_size()

@@ -1,0 +1,170 @@
+"""hostmem on a stand-in /proc and /sys: MemTotal and MemAvailable, cgroup v2 and v1 limits (on the
+process's own cgroup or a parent), NUMA nodes, how many ranks share the node, and each rank's share."""
+import os
+
+import pytest
+
+from ckpt_offload import hostmem
+
+GiB = 2**30
+TOTAL, AVAILABLE = 64 * GiB, 40 * GiB
+
+
+def _write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A stand-in tree: meminfo with TOTAL and AVAILABLE, an empty cgroup root, no cgroup membership,
+    two NUMA nodes. Returns a helper that sets /proc/self/cgroup and writes cgroup files."""
+    root = tmp_path / "sys" / "fs" / "cgroup"
+    root.mkdir(parents=True)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(
+        f"MemTotal:       {TOTAL // 1024} kB\nMemFree:        {GiB // 1024} kB\n"
+        f"MemAvailable:   {AVAILABLE // 1024} kB\nBuffers:        1024 kB\n"
+    )
+    nodes = tmp_path / "node"
+    for name in ("node0", "node1", "possible", "has_cpu"):
+        (nodes / name).mkdir(parents=True)
+    self_cgroup = tmp_path / "self_cgroup"
+    self_cgroup.write_text("")
+    monkeypatch.setattr(hostmem, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(hostmem, "_CGROUP_ROOT", str(root))
+    monkeypatch.setattr(hostmem, "_SELF_CGROUP", str(self_cgroup))
+    monkeypatch.setattr(hostmem, "_NODES", str(nodes))
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    class Tree:
+        def member_of(self, text):
+            self_cgroup.write_text(text)
+
+        def cgroup_file(self, relative, value):
+            _write(str(root / relative), f"{value}\n")
+
+        meminfo_path = meminfo
+
+    return Tree()
+
+
+def test_meminfo_and_numa(fake):
+    assert hostmem.memory_total_bytes() == TOTAL
+    assert hostmem.memory_available_bytes() == AVAILABLE  # no cgroup: the kernel's MemAvailable
+    assert hostmem.cgroup_limit_bytes() is None
+    assert hostmem.numa_nodes() == 2  # node0, node1; not possible/has_cpu
+
+
+def test_unreadable_files_give_none(fake, monkeypatch):
+    monkeypatch.setattr(hostmem, "_MEMINFO", str(fake.meminfo_path) + ".missing")
+    monkeypatch.setattr(hostmem, "_NODES", str(fake.meminfo_path) + ".missing")
+    assert hostmem.memory_total_bytes() is None
+    assert hostmem.memory_available_bytes() is None
+    assert hostmem.numa_nodes() is None
+    assert hostmem.host_share_bytes() is None
+
+
+def test_cgroup_v2_limit_binds_when_it_leaves_less(fake):
+    fake.member_of("0::/job.slice/rank\n")
+    fake.cgroup_file("job.slice/rank/memory.max", 16 * GiB)
+    fake.cgroup_file("job.slice/rank/memory.current", 6 * GiB)
+    assert hostmem.cgroup_limit_bytes() == 16 * GiB
+    assert hostmem.memory_available_bytes() == 10 * GiB  # limit - current < MemAvailable
+    # A limit that leaves more than the machine has available: MemAvailable binds.
+    fake.cgroup_file("job.slice/rank/memory.current", 1 * GiB)
+    fake.cgroup_file("job.slice/rank/memory.max", 60 * GiB)
+    assert hostmem.memory_available_bytes() == AVAILABLE
+
+
+def test_cgroup_v2_max_is_no_limit(fake):
+    fake.member_of("0::/job.slice/rank\n")
+    fake.cgroup_file("job.slice/rank/memory.max", "max")
+    fake.cgroup_file("job.slice/rank/memory.current", 6 * GiB)
+    assert hostmem.cgroup_limit_bytes() is None
+    assert hostmem.memory_available_bytes() == AVAILABLE
+
+
+def test_cgroup_v2_limit_on_a_parent(fake):
+    fake.member_of("0::/job.slice/rank\n")
+    fake.cgroup_file("job.slice/rank/memory.max", "max")
+    fake.cgroup_file("job.slice/rank/memory.current", 2 * GiB)
+    fake.cgroup_file("job.slice/memory.max", 8 * GiB)
+    fake.cgroup_file("job.slice/memory.current", 5 * GiB)  # the parent counts its other children too
+    assert hostmem.cgroup_limit_bytes() == 8 * GiB
+    assert hostmem.memory_available_bytes() == 3 * GiB
+    # A tighter limit on the child's own cgroup wins over the parent's.
+    fake.cgroup_file("job.slice/rank/memory.max", 4 * GiB)
+    assert hostmem.cgroup_limit_bytes() == 4 * GiB
+    assert hostmem.memory_available_bytes() == 2 * GiB
+
+
+def test_cgroup_v2_under_unified_on_a_hybrid_machine(fake):
+    fake.member_of("4:memory:/other\n0::/job\n")
+    fake.cgroup_file("unified/job/memory.max", 12 * GiB)
+    fake.cgroup_file("unified/job/memory.current", 2 * GiB)
+    assert hostmem.cgroup_limit_bytes() == 12 * GiB
+    assert hostmem.memory_available_bytes() == 10 * GiB
+
+
+def test_cgroup_v1_limit_and_its_no_limit_number(fake):
+    fake.member_of("12:cpu,cpuacct:/docker/abc\n5:memory:/docker/abc\n")
+    fake.cgroup_file("memory/docker/abc/memory.limit_in_bytes", 20 * GiB)
+    fake.cgroup_file("memory/docker/abc/memory.usage_in_bytes", 15 * GiB)
+    assert hostmem.cgroup_limit_bytes() == 20 * GiB
+    assert hostmem.memory_available_bytes() == 5 * GiB
+    # v1 writes a page-rounded 2**63 - 1 for "no limit": at or above the machine's memory is none.
+    fake.cgroup_file("memory/docker/abc/memory.limit_in_bytes", 9223372036854771712)
+    assert hostmem.cgroup_limit_bytes() is None
+    assert hostmem.memory_available_bytes() == AVAILABLE
+
+
+def test_usage_above_the_limit_leaves_zero(fake):
+    fake.member_of("0::/job\n")
+    fake.cgroup_file("job/memory.max", 4 * GiB)
+    fake.cgroup_file("job/memory.current", 4 * GiB + 4096)
+    assert hostmem.memory_available_bytes() == 0
+    assert hostmem.host_share_bytes() == 0
+
+
+def test_local_world_size_from_the_launchers(fake, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")  # every node's ranks: never the divisor
+    assert hostmem.local_world_size() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's launcher, some MPI launchers
+    assert hostmem.local_world_size() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun, accelerate: first
+    assert hostmem.local_world_size() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # set but empty: as unset
+    assert hostmem.local_world_size() == 4
+
+
+@pytest.mark.parametrize("name", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_local_world_size_refuses_nonsense(fake, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer, got '{value}'"):
+        hostmem.local_world_size()
+
+
+def test_host_share_divides_the_available_memory_among_the_node_ranks(fake, monkeypatch):
+    assert hostmem.host_share_bytes() == AVAILABLE // 2
+    assert hostmem.host_share_bytes(1.0) == AVAILABLE
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert hostmem.host_share_bytes() == AVAILABLE // 2 // 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # rounded down: the ranks never add up to more
+    share = hostmem.host_share_bytes(0.25)
+    assert share == (AVAILABLE // 4) // 3 and 3 * share <= AVAILABLE // 4
+    # The cgroup's limit is what is divided where it leaves less.
+    fake.member_of("0::/job\n")
+    fake.cgroup_file("job/memory.max", 12 * GiB)
+    fake.cgroup_file("job/memory.current", 0)
+    assert hostmem.host_share_bytes() == 6 * GiB // 3
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.5, True, "0.5", None])
+def test_host_share_refuses_a_fraction_outside_0_1(fake, fraction):
+    with pytest.raises(ValueError, match="fraction must be a number in \\(0, 1\\]"):
+        hostmem.host_share_bytes(fraction)
