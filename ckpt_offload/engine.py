@@ -5,8 +5,30 @@ import torch
 
 from ._args import check_bool
 from ._loader import load
+from . import budget as _budget
 
 _C = load()
+_pool_set_capacity = _C.HostPool.set_capacity
+
+
+def _set_capacity(pool, nbytes) -> None:
+    """Caps the pinned bytes this pool holds (0 removes the cap); `"auto"` sets this rank's host
+    budget: its share of the node's available memory (the cgroup's limit honoured, divided among
+    `LOCAL_WORLD_SIZE` ranks), times 0.5. What would go past the cap spills to the disk tier when
+    one is set, else stays on the device (one warning; `stats()["tensors_kept_on_device"]`).
+    `stats()["host_capacity_bytes"]` shows the cap.
+
+    Raises:
+        ValueError: `"auto"` where the node's available memory cannot be read; a negative size.
+    """
+    if _budget.is_auto(nbytes):
+        nbytes = _budget.host_capacity_auto()
+        _budget.log.info("host_pool().set_capacity('auto'): %d bytes (%.3f GiB) for this rank", nbytes, nbytes / 2**30)
+    _pool_set_capacity(pool, nbytes)
+
+
+# "auto" is worked out here, above the compiled pool, from the node's figures (hostmem).
+_C.HostPool.set_capacity = _set_capacity
 
 def engine_for(device) -> "_C.CopyEngine":
     """The process-wide copy engine of a device, created on first use.

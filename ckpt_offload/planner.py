@@ -13,6 +13,7 @@ import time
 import torch
 from torch import nn
 
+from . import budget as _budget
 from . import engine as _engine
 from . import policies
 from .midpoints import _in_backward
@@ -489,6 +490,8 @@ class MemoryPlan:
         rows (list[dict]): per block, `mode`, `device_bytes`, `host_bytes` and `ms`, as `table()`
             prints them.
         cost_model (CostModel | None): the measurements; None for a plan read with `from_json`.
+        auto (ckpt_offload.budget.AutoBudget | None): for `budget_bytes="auto"`, the figures the
+            budgets were read from (`auto.describe()` says them in a line).
     """
 
     def __init__(self, modes, predicted_peak_bytes, predicted_step_ms, predicted_host_bytes, budget_bytes=None,
@@ -501,6 +504,7 @@ class MemoryPlan:
         self.rows = rows or []  # per block: mode, device_bytes, host_bytes, ms
         self.cost_model = cost_model  # None for a plan read back with from_json
         self.smallest_peak_bytes = smallest_peak_bytes  # the smallest feasible budget found
+        self.auto = None  # budget='auto': the figures it was read from (ckpt_offload.budget.AutoBudget)
         self._modes_allowed = None  # the modes the search chose from (None: all that were measured)
 
     def replan(self, budget_bytes: int, host_budget_bytes=None) -> "MemoryPlan":
@@ -526,7 +530,9 @@ class MemoryPlan:
     def apply(self, model: nn.Module) -> list[str]:
         """Configures `model` with this plan's modes, through `ckpt_offload.enable_block_modes`.
 
-        `ckpt_offload.disable_checkpointing(model)` undoes it.
+        `ckpt_offload.disable_checkpointing(model)` undoes it. A plan made with `budget="auto"`
+        also caps the host pool at its host budget (`host_pool().set_capacity`), so that what would
+        go past it spills to the disk tier when one is set, else stays on the device.
 
         Args:
             model: the model that was profiled (or one with the same repeated blocks).
@@ -534,7 +540,10 @@ class MemoryPlan:
         Returns:
             list[str]: the modes applied, one per repeated block.
         """
-        return enable_block_modes(model, self.modes)
+        modes = enable_block_modes(model, self.modes)
+        if self.auto is not None and self.auto.host_bytes is not None:
+            _engine.host_pool().set_capacity(max(self.auto.host_bytes, 1))
+        return modes
 
     def table(self) -> str:
         """The plan as a table, one row per block, and a line of totals.
@@ -589,8 +598,8 @@ class MemoryPlan:
                 f"predicted_step_ms={self.predicted_step_ms:.3f}, predicted_host_bytes={self.predicted_host_bytes})")
 
 
-def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=None, host_budget_bytes=None,
-                modes=None, verbose: bool = False) -> MemoryPlan:
+def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None, host_budget_bytes=None,
+                modes=None, verbose: bool = False, optimizer="adamw") -> MemoryPlan:
     """Profiles `model`'s repeated blocks on one batch and chooses a mode for each block: the
     assignment with the lowest predicted step time whose predicted peak fits `budget_bytes`.
 
@@ -607,16 +616,23 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
             with.
         budget_bytes: the peak device memory of a training step, including weights, gradients
             (kept allocated) and inputs: `max_memory_allocated` on a GPU,
-            `ckpt_offload.testing.LiveBytes` on the CPU test path.
+            `ckpt_offload.testing.LiveBytes` on the CPU test path. `"auto"`: read off the device
+            now (`ckpt_offload.budget.auto_budget`: what torch holds plus what is free, less a
+            margin of max(5%, 1 GiB), less the optimizer's states not yet allocated), and the host
+            budget too unless `host_budget_bytes` is given; one log line (logger `ckpt_offload`,
+            INFO) says what was chosen and why, and the plan's `auto` attribute holds the figures.
         loss_fn: `output -> scalar` to backpropagate (default: `output.loss` when there is one,
             else the mean of the squared output).
-        host_budget_bytes: the most bytes a step may send to the host (None: no cap).
+        host_budget_bytes: the most bytes a step may send to the host (None: no cap; `"auto"`:
+            this rank's share of the node's available memory, `hostmem.host_share_bytes()`).
         modes: the modes to choose from (default: all of `BLOCK_MODES`, the attention one where
             this torch has selective offload; on a CPU without `CKPT_OFFLOAD_TEST_CPU=1`, those
             without offload, as CPU tensors are not offloaded there). A model on the meta device
             is not profiled but estimated (`estimate_memory`: nothing allocated, times from FLOPs
             at a nominal rate), with `"none"`, `"checkpoint"` and `"checkpoint+offload"`.
         verbose: print one line per profiled mode, and the choice, on stderr.
+        optimizer: with `"auto"`, the optimizer whose states are counted before they exist:
+            `"adamw"` (default), `"sgd"`, None, or the `torch.optim.Optimizer` itself.
 
     Returns:
         MemoryPlan: the chosen modes and their predictions; `replan(budget)` chooses again for
@@ -632,6 +648,14 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         raise TypeError(f"plan_memory: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         raise TypeError(f"plan_memory: example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
+    auto = None
+    if _budget.is_auto(budget_bytes):
+        auto = _budget.auto_budget(model, optimizer=optimizer)
+        budget_bytes = auto.device_bytes
+        if host_budget_bytes is None:
+            host_budget_bytes = auto.host_bytes
+    if _budget.is_auto(host_budget_bytes):
+        host_budget_bytes = _budget.host_budget_bytes()
     _check_budget("plan_memory", budget_bytes, host_budget_bytes)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"plan_memory: loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -661,7 +685,16 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes: int, *, loss_fn=
         modes = [m for m in modes if m in cost.modes]
     else:
         cost = profile(model, example_inputs, loss_fn=loss_fn, modes=modes, verbose=verbose)
-    return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
+    if auto is None:
+        return plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
+    try:
+        plan = plan_from_cost(cost, budget_bytes, host_budget_bytes=host_budget_bytes, modes=modes, verbose=verbose)
+    except ValueError as e:
+        raise ValueError(f"{e} ({auto.describe()})") from None
+    plan.auto = auto
+    _budget.log.info("%s; plan: predicted peak %.3f GiB, host %.3f GiB, modes %s", auto.describe(),
+                     plan.predicted_peak_bytes / 2**30, plan.predicted_host_bytes / 2**30, plan.modes)
+    return plan
 
 
 def _check_budget(fn, budget_bytes, host_budget_bytes):
@@ -669,7 +702,7 @@ def _check_budget(fn, budget_bytes, host_budget_bytes):
         if v is None and name == "host_budget_bytes":
             continue
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{fn}: {name} must be an int (bytes), got {type(v).__name__}")
+            raise TypeError(f"{fn}: {name} must be an int (bytes) or 'auto', got {type(v).__name__}")
         if v <= 0:
             raise ValueError(f"{fn}: {name} must be positive (bytes), got {v}")
 

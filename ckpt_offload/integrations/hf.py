@@ -23,6 +23,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
     ) from err
 
+from .. import budget as _budget
 from .. import policies
 from ..attachment import Attachment, owner_of
 from .._args import check_bool as _check_bool
@@ -96,7 +97,7 @@ def _transformers_model(where, model):
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
            prefetch_bytes=None, policy=None, *, budget_bytes=None, example_inputs=None, loss_fn=None,
-           host_budget_bytes=None, **checkpoint_kwargs):
+           host_budget_bytes=None, optimizer="adamw", **checkpoint_kwargs):
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
     through the async engine (the last keep_last checkpointed layers stay on the device).
@@ -116,11 +117,14 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
 
     With budget_bytes: ckpt_offload.plan_memory(model, example_inputs, budget_bytes, loss_fn=...,
     host_budget_bytes=...) chooses a mode per layer instead, and the plan is applied and returned.
+    budget_bytes="auto" reads both budgets off the device and the node (see plan_memory; optimizer:
+    whose states to count before they exist); example_inputs should then be the longest batch the
+    run will see.
     """
     target = _transformers_model("hf.enable", model)
     if budget_bytes is not None:
         return _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes,
-                               checkpoint_kwargs)
+                               checkpoint_kwargs, optimizer)
     _check_int("hf.enable", "every_n_layers", every_n_layers, 1)
     _check_prefetch("hf.enable", prefetch, prefetch_bytes, keep_last)
     _check_bool("hf.enable", "offload", offload)
@@ -152,7 +156,8 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     return checkpointed
 
 
-def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs):
+def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs,
+                    optimizer="adamw"):
     from ..planner import _check_budget, plan_memory
 
     if not isinstance(example_inputs, tuple):
@@ -164,9 +169,11 @@ def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_b
         raise TypeError(f"hf.enable: budget_bytes takes no checkpoint keywords, got {sorted(checkpoint_kwargs)}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"hf.enable: loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    _check_budget("hf.enable", budget_bytes, host_budget_bytes)
+    if not _budget.is_auto(budget_bytes):
+        _check_budget("hf.enable", budget_bytes, None if _budget.is_auto(host_budget_bytes) else host_budget_bytes)
     disable(target)
-    plan = plan_memory(model, example_inputs, budget_bytes, loss_fn=loss_fn, host_budget_bytes=host_budget_bytes)
+    plan = plan_memory(model, example_inputs, budget_bytes, loss_fn=loss_fn, host_budget_bytes=host_budget_bytes,
+                       optimizer=optimizer)
     plan.apply(model)
     return plan
 
@@ -194,16 +201,71 @@ class OffloadCallback(TrainerCallback):
     is re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are
     this callback's own. Arguments from checkpointing_args(offload=True) offload through the engine
     without it too (that call installs the routing, see install()); the callback adds its settings.
+
+    budget="auto": at the start of training, a mode per layer is planned instead
+    (enable(budget_bytes="auto")) for the longest batch the run will see: `max_length` if given
+    here, else the training arguments' `max_length` / `max_seq_length` (TRL's configs), else the
+    longest `input_ids` of the training dataset, at `per_device_train_batch_size`. The Trainer's
+    optimizer is counted before its first step allocates its states. The plan is `self.plan`.
     """
 
-    def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None):
+    def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None, *, budget=None, max_length=None):
         _check_prefetch("OffloadCallback", prefetch, prefetch_bytes, keep_last)
+        if budget is not None and not _budget.is_auto(budget):
+            raise ValueError(f"OffloadCallback: budget must be None or 'auto', got {budget!r} "
+                             "(a budget in bytes: hf.enable(model, budget_bytes=..., example_inputs=...))")
+        if max_length is not None:
+            _check_int("OffloadCallback", "max_length", max_length, 1)
         self.keep_last = keep_last
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
+        self.budget = budget
+        self.max_length = max_length
         self.checkpointed = None
+        self.plan = None
+
+    def _longest(self, args, train_dataloader):
+        for n in (self.max_length, getattr(args, "max_length", None), getattr(args, "max_seq_length", None)):
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return n
+        dataset = getattr(train_dataloader, "dataset", None)
+        try:
+            # A datasets.Dataset hands its column over at once; a map-style dataset is read row by row.
+            column = dataset["input_ids"] if hasattr(dataset, "column_names") else None
+            rows = column if column is not None else (dataset[i]["input_ids"] for i in range(len(dataset)))
+            lengths = [len(r) for r in rows]
+        except (TypeError, KeyError, IndexError):
+            lengths = []
+        if lengths:
+            return max(lengths)
+        raise ValueError(
+            "OffloadCallback(budget='auto'): the longest batch of the run is unknown (no max_length here or in the "
+            "training arguments, and no 'input_ids' in the training dataset); pass OffloadCallback(budget='auto', "
+            "max_length=N)"
+        )
+
+    def _enable_auto(self, args, model, kwargs):
+        target = _transformers_model("OffloadCallback", model)
+        seq = self._longest(args, kwargs.get("train_dataloader"))
+        batch = args.per_device_train_batch_size
+        vocab = target.config.get_text_config().vocab_size
+        device = next(p.device for p in target.parameters())
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        input_ids = torch.randint(vocab, (batch, seq), generator=gen).to(device)
+
+        def loss_fn(out):
+            # As transformers' causal-LM loss does: the logits upcast to fp32 before the cross-entropy.
+            return torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), input_ids.flatten())
+
+        optimizer = kwargs.get("optimizer") or "adamw"
+        self.plan = enable(model, budget_bytes="auto", example_inputs=(input_ids,), loss_fn=loss_fn,
+                           optimizer=optimizer)
+        self.checkpointed = [i for i, m in enumerate(self.plan.modes) if m.startswith("checkpoint")]
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.budget is not None:
+            self._enable_auto(args, model, kwargs)
+            return
         on, gc_kwargs = training_args_checkpointing(args)
         if not on:
             warnings.warn("OffloadCallback: checkpointing is off in TrainingArguments; nothing to offload")

@@ -1,0 +1,203 @@
+"""`budget="auto"`: the device and host budgets of a training step, read off this device and node.
+
+The device half is what the step may reach at its peak (the figure `plan_memory` plans for): the
+memory torch holds now plus what the device has free (the driver's free bytes and what torch's
+allocator holds but does not use), less a margin, less the optimizer's states that are not yet
+allocated (AdamW allocates its two states at the first `step()`; a plan made without them would
+overshoot there).
+
+The host half is this rank's share of the node's available memory (`hostmem.host_share_bytes`:
+the cgroup's limit honoured, divided among `LOCAL_WORLD_SIZE` ranks), times a fraction. The host
+pool's capacity is set to it; what would go past it spills to the disk tier when one is set, else
+stays on the device, with one warning.
+
+On the CPU test path, `CKPT_OFFLOAD_TEST_DEVICE_BYTES=N` stands in for the device's free memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import hostmem
+
+AUTO = "auto"
+# The device margin: the larger of this part of the device's memory and MARGIN_MIN_BYTES (on a real
+# device; the CPU stand-in has no floor, its figures being test-sized).
+MARGIN_FRACTION = 0.05
+MARGIN_MIN_BYTES = 1 << 30
+# The part of the node's available host memory its ranks may pin together.
+HOST_FRACTION = 0.5
+TEST_DEVICE_ENV = "CKPT_OFFLOAD_TEST_DEVICE_BYTES"
+# States per trainable element that an optimizer allocates at its first step, by name.
+_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+
+log = logging.getLogger("ckpt_offload")
+
+
+def is_auto(value) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+@dataclass
+class AutoBudget:
+    """What `budget="auto"` chose, and from what.
+
+    Attributes:
+        device_bytes: the peak the step may reach (plan_memory's budget_bytes).
+        host_bytes: this rank's host budget (the pool's capacity), or None where the node's
+            available memory cannot be read.
+        allocated_bytes: what the device held at planning time (the model, mostly).
+        free_bytes: what it had free then.
+        margin_bytes: what was left unplanned.
+        optimizer_bytes: the optimizer states counted before they exist.
+        local_world_size: the ranks that share this node's host memory.
+        source: where the free figure came from (`"cuda"` or the stand-in's variable).
+    """
+
+    device_bytes: int
+    host_bytes: int | None
+    allocated_bytes: int
+    free_bytes: int
+    margin_bytes: int
+    optimizer_bytes: int
+    local_world_size: int
+    source: str
+
+    def describe(self) -> str:
+        gib = 2**30
+        host = "unknown (the node's available memory could not be read)" if self.host_bytes is None else (
+            f"{self.host_bytes / gib:.3f} GiB a rank ({self.local_world_size} rank(s) on this node, "
+            f"{HOST_FRACTION:.0%} of the available memory)")
+        return (f"budget='auto': device {self.device_bytes / gib:.3f} GiB = held {self.allocated_bytes / gib:.3f} + free "
+                f"{self.free_bytes / gib:.3f} ({self.source}) - margin {self.margin_bytes / gib:.3f} - optimizer states "
+                f"not yet allocated {self.optimizer_bytes / gib:.3f}; host {host}")
+
+
+def _stand_in():
+    value = os.environ.get(TEST_DEVICE_ENV, "")
+    if value == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{TEST_DEVICE_ENV} must be a positive number of bytes, got {value!r}")
+    return n
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _storages_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
+    """The bytes the optimizer's states will take that are not allocated yet.
+
+    Args:
+        model: its parameters with `requires_grad` are the trainable ones.
+        optimizer: `"adamw"` / `"adam"` (two states an element), `"sgd"` (momentum, one), `"none"`
+            or None (zero), or a `torch.optim.Optimizer`: only its parameters whose state is still
+            empty count, two states an element for Adam-like optimizers and SGD with momentum's one
+            (other optimizers are counted as two, an upper bound for most). States take the
+            parameter's dtype, as torch's optimizers allocate them.
+
+    Raises:
+        ValueError: an unknown optimizer name.
+    """
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.SGD):
+            per = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+        else:
+            per = 2
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+        return per * sum(p.numel() * p.element_size() for p in params)
+    if not isinstance(optimizer, str) or optimizer.lower() not in _STATES:
+        raise ValueError(f"budget='auto': optimizer must be one of {sorted(_STATES)}, None or a torch.optim.Optimizer, "
+                         f"got {optimizer!r}")
+    per = _STATES[optimizer.lower()]
+    return per * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def host_budget_bytes(fraction: float = HOST_FRACTION):
+    """This rank's host budget: `hostmem.host_share_bytes(fraction)`, or None where unreadable."""
+    return hostmem.host_share_bytes(fraction)
+
+
+def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, device=None) -> AutoBudget:
+    """The device and host budgets `budget="auto"` plans with, for `model` on its device now.
+
+    Args:
+        model: the model about to train, on its device.
+        optimizer: as for `optimizer_state_bytes`.
+        margin_bytes: what to leave unplanned on the device (default: the larger of 5% of the
+            device's memory and 1 GiB; 5% of the stand-in's total on the CPU test path).
+        device: the device to read (default: the model's).
+
+    Raises:
+        ValueError: the device is not a CUDA device and `CKPT_OFFLOAD_TEST_DEVICE_BYTES` is not
+            set, or the margin leaves nothing to plan with.
+    """
+    device = torch.device(device) if device is not None else _model_device(model)
+    stand_in = _stand_in()
+    if device.type == "cuda" and stand_in is None:
+        free_driver, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        free = free_driver + torch.cuda.memory_reserved(device) - allocated
+        margin = max(int(MARGIN_FRACTION * total), MARGIN_MIN_BYTES) if margin_bytes is None else margin_bytes
+        source = "cuda"
+    elif stand_in is not None:
+        held = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers()]
+        allocated = _storages_bytes(held)
+        free = stand_in
+        margin = int(MARGIN_FRACTION * (allocated + free)) if margin_bytes is None else margin_bytes
+        source = TEST_DEVICE_ENV
+    else:
+        raise ValueError(
+            f"budget='auto' reads the free memory of a CUDA device; the model is on {device}. "
+            f"On the CPU test path set {TEST_DEVICE_ENV}=<bytes> to stand in for it, or pass a budget in bytes"
+        )
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"budget='auto': margin_bytes must be a non-negative int, got {margin_bytes!r}")
+    opt = optimizer_state_bytes(model, optimizer)
+    device_bytes = allocated + free - margin - opt
+    if device_bytes <= allocated:
+        raise ValueError(
+            f"budget='auto': the device has {free} bytes free, less than the margin ({margin}) and the optimizer "
+            f"states still to come ({opt}); nothing is left for activations"
+        )
+    return AutoBudget(device_bytes=device_bytes, host_bytes=host_budget_bytes(), allocated_bytes=allocated,
+                      free_bytes=free, margin_bytes=margin, optimizer_bytes=opt,
+                      local_world_size=hostmem.local_world_size(), source=source)
+
+
+def host_capacity_auto() -> int:
+    """The pool capacity `host_pool().set_capacity("auto")` sets: this rank's host budget.
+
+    Raises:
+        ValueError: the node's available memory cannot be read (no /proc/meminfo, no cgroup).
+    """
+    n = host_budget_bytes()
+    if n is None:
+        raise ValueError("set_capacity('auto'): this node's available memory cannot be read (/proc/meminfo, the "
+                         "cgroup); pass a capacity in bytes")
+    return max(n, 1)

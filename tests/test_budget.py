@@ -1,0 +1,252 @@
+"""budget="auto" on the CPU test path: CKPT_OFFLOAD_TEST_DEVICE_BYTES stands in for the device's free
+memory and a stand-in /proc/meminfo for the node's. The budgets are the stated arithmetic, the plan
+made from them fits (its step measured with LiveBytes, the optimizer's states added), the host
+pool's cap is the node's share, and past that cap tensors stay on the device with the gradients
+unchanged."""
+import logging
+import warnings
+
+import pytest
+import torch
+
+import ckpt_offload
+from ckpt_offload import budget, hostmem
+from ckpt_offload.testing import LiveBytes
+from tiny_gpt import grads, loss_of, make_batch, make_model
+
+pytestmark = pytest.mark.usefixtures("test_cpu")
+
+L, H, S, B = 5, 32, 64, 2
+
+
+def param_bytes(model, trainable_only=False):
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def held_bytes(model):
+    return param_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """A stand-in node: /proc/meminfo with the MemAvailable given (in kB), no cgroup."""
+    def make(available_kb, total_kb=64 << 20):
+        meminfo = tmp_path / "meminfo"
+        meminfo.write_text(f"MemTotal: {total_kb} kB\nMemFree: 1 kB\nMemAvailable: {available_kb} kB\n")
+        monkeypatch.setattr(hostmem, "_MEMINFO", str(meminfo))
+        monkeypatch.setattr(hostmem, "_SELF_CGROUP", str(tmp_path / "no-cgroup"))
+        return available_kb * 1024
+
+    yield make
+    ckpt_offload.host_pool().set_capacity(0)
+
+
+@pytest.fixture
+def reset():
+    ckpt_offload.reset_stats()
+    yield
+    ckpt_offload.host_pool().set_capacity(0)
+    ckpt_offload.host_pool().empty_cache()
+
+
+def test_optimizer_states_counted_before_they_exist():
+    model = make_model(layers=2, hidden=H, heads=4, max_len=S)
+    model.head.weight.requires_grad_(False)
+    trainable = param_bytes(model, trainable_only=True)
+    assert 0 < trainable < param_bytes(model)
+    assert budget.optimizer_state_bytes(model, "adamw") == 2 * trainable
+    assert budget.optimizer_state_bytes(model, "sgd") == trainable
+    assert budget.optimizer_state_bytes(model, None) == 0
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    assert budget.optimizer_state_bytes(model, opt) == 2 * trainable
+    loss_of(model, make_batch(batch=B, seq=S)).backward()
+    opt.step()  # the states now exist: nothing is still to come
+    assert budget.optimizer_state_bytes(model, opt) == 0
+    assert budget.optimizer_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1)) == 0
+    assert budget.optimizer_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == trainable
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        budget.optimizer_state_bytes(model, "lion")
+
+
+def test_auto_needs_a_device_or_the_stand_in(monkeypatch):
+    monkeypatch.delenv(budget.TEST_DEVICE_ENV, raising=False)
+    model = make_model(layers=2, hidden=H, heads=4, max_len=S)
+    with pytest.raises(ValueError, match="CKPT_OFFLOAD_TEST_DEVICE_BYTES"):
+        ckpt_offload.plan_memory(model, (make_batch(batch=B, seq=S),), "auto")
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, "lots")
+    with pytest.raises(ValueError, match="positive number of bytes, got 'lots'"):
+        budget.auto_budget(model)
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, "1000")
+    with pytest.raises(ValueError, match="nothing is left for activations"):
+        budget.auto_budget(model)
+
+
+def test_device_budget_is_held_plus_free_less_margin_and_optimizer(monkeypatch, node):
+    available = node(8 << 20)  # 8 GiB available on the node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    model = make_model(layers=2, hidden=H, heads=4, max_len=S)
+    free = 10 << 20
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(free))
+    a = budget.auto_budget(model, optimizer="adamw")
+    held = held_bytes(model)
+    assert a.allocated_bytes == held
+    assert a.margin_bytes == int(0.05 * (held + free))
+    assert a.optimizer_bytes == 2 * param_bytes(model)
+    assert a.device_bytes == held + free - a.margin_bytes - a.optimizer_bytes
+    assert a.host_bytes == int(available * 0.5) // 4
+    assert a.local_world_size == 4
+    line = a.describe()
+    assert "4 rank(s)" in line and "margin" in line and "optimizer states" in line
+
+
+def test_set_capacity_auto_is_the_nodes_share_per_rank(monkeypatch, node, reset):
+    available = node(3 << 20)  # 3 GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    ckpt_offload.host_pool().set_capacity("auto")
+    assert ckpt_offload.stats()["host_capacity_bytes"] == int(available * 0.5) // 8
+    monkeypatch.setattr(hostmem, "_MEMINFO", "/nonexistent/meminfo")
+    with pytest.raises(ValueError, match="cannot be read"):
+        ckpt_offload.host_pool().set_capacity("auto")
+    with pytest.raises(TypeError):
+        ckpt_offload.host_pool().set_capacity("lots")
+
+
+def test_past_the_host_budget_tensors_stay_on_the_device(monkeypatch, node, reset):
+    """A node with almost nothing available: the auto cap refuses the pool's blocks, every
+    offload stays on the device with one warning, and the gradients are those of plain checkpointing."""
+    node(16)  # 16 kB available: a cap of 8 kB, below one block
+    model = make_model(layers=L, hidden=H, heads=4, max_len=S)
+    ids = make_batch(batch=B, seq=S)
+    ckpt_offload.enable_checkpointing(model, offload=False)
+    loss_of(model, ids).backward()
+    want = grads(model)
+    ckpt_offload.disable_checkpointing(model)
+    model.zero_grad(set_to_none=True)
+
+    ckpt_offload.host_pool().empty_cache()
+    ckpt_offload.host_pool().set_capacity("auto")
+    cap = ckpt_offload.stats()["host_capacity_bytes"]
+    assert cap == 8 * 1024
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+    ckpt_offload.reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_of(model, ids).backward()
+    ckpt_offload.synchronize()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 0
+    assert s["tensors_kept_on_device"] >= L
+    assert s["host_reserved_bytes"] <= cap
+    assert any("refused" in str(w.message) for w in caught)
+    got = grads(model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def measured_peak(model, ids):
+    """Peak live bytes of a steady-state step (gradients kept from the step before), as the planner counts it."""
+    loss_of(model, ids).backward()
+    model.zero_grad(set_to_none=False)
+    ckpt_offload.synchronize()
+    with LiveBytes() as live:
+        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
+        loss_of(model, ids).backward()
+    return live.peak
+
+
+def test_plan_memory_auto_fits_the_stand_in_device(monkeypatch, node, reset, caplog):
+    node(8 << 20)
+    model = make_model(layers=L, hidden=H, heads=4, max_len=S)
+    ids = make_batch(batch=B, seq=S)
+    loss_fn = lambda logits: torch.nn.functional.cross_entropy(  # noqa: E731
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    full = measured_peak(model, ids)
+    model.zero_grad(set_to_none=True)
+    held = held_bytes(model)
+    opt = 2 * param_bytes(model)
+    # A stand-in device whose budget lies below the unmodified step's peak: the plan must checkpoint.
+    target = held + (full - held) * 3 // 4
+    free = int((target + opt) / 0.95) - held
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(free))
+    with caplog.at_level(logging.INFO, logger="ckpt_offload"):
+        plan = ckpt_offload.plan_memory(model, (ids,), "auto", loss_fn=loss_fn)
+    assert plan.auto is not None and plan.budget_bytes == plan.auto.device_bytes
+    assert plan.auto.device_bytes < full
+    assert plan.predicted_peak_bytes <= plan.auto.device_bytes
+    assert any(m != "none" for m in plan.modes)
+    assert any("budget='auto'" in r.getMessage() and str(plan.modes) in r.getMessage() for r in caplog.records)
+    plan.apply(model)
+    assert ckpt_offload.stats()["host_capacity_bytes"] == plan.auto.host_bytes
+    peak = measured_peak(model, ids)
+    # The step plus the AdamW states still to come fit the stand-in device.
+    assert peak + opt <= held + free, (peak, opt, held, free)
+
+
+def test_trainer_callback_auto_stays_under_the_stand_in(tmp_path, monkeypatch, node, reset):
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
+    from torch.utils.data import Dataset
+
+    from ckpt_offload.integrations import hf
+
+    node(8 << 20)
+    seq, vocab = 48, 128
+
+    def tiny():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+    class Data(Dataset):
+        # Short rows first and one of the full length: the plan must be for the longest.
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            n = seq if i == 5 else 16
+            ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def peak_of_step(model, opt_bytes):
+        ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(99))
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=False)
+        ckpt_offload.synchronize()
+        with LiveBytes() as live:
+            live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
+            model(input_ids=ids, labels=ids).loss.backward()
+        return live.peak
+
+    probe = tiny()
+    probe.train()
+    held = held_bytes(probe)
+    full = peak_of_step(probe, 0)
+    opt = 2 * param_bytes(probe)
+    free = int((held + (full - held) * 3 // 4 + opt) / 0.95) - held
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(free))
+
+    callback = hf.OffloadCallback(budget="auto")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1, learning_rate=1e-3,
+        save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, logging_steps=1,
+    )
+    model = tiny()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=[callback])
+    trainer.train()
+    plan = callback.plan
+    assert plan is not None and plan.auto.source == budget.TEST_DEVICE_ENV
+    # The Trainer's AdamW was counted before its first step made the states.
+    assert plan.auto.optimizer_bytes == opt
+    assert any(m != "none" for m in plan.modes), plan.modes  # the unmodified step would not fit
+    assert callback.checkpointed == [i for i, m in enumerate(plan.modes) if m.startswith("checkpoint")]
+    # The configured model's step at the longest length, plus the optimizer's states, fits the stand-in.
+    peak = peak_of_step(model, opt)
+    assert peak + opt <= held + free, (peak, opt, held, free)
+    assert all(h["loss"] == h["loss"] for h in trainer.state.log_history if "loss" in h)
+
+
+def test_callback_refuses_a_budget_in_bytes():
+    from ckpt_offload.integrations import hf
+
+    with pytest.raises(ValueError, match="budget must be None or 'auto'"):
+        hf.OffloadCallback(budget=1 << 30)
