@@ -201,3 +201,11 @@ def host_capacity_auto() -> int:
         raise ValueError("set_capacity('auto'): this node's available memory cannot be read (/proc/meminfo, the "
                          "cgroup); pass a capacity in bytes")
     return max(n, 1)
+
+
+def check_route_budget(where: str, value) -> None:
+    """The routes that have no batch to plan with (TRL's, accelerate's) take budget=None or "auto"
+    (the host half: the pool capped at this rank's share when the route is taken)."""
+    if value is not None and not is_auto(value):
+        raise ValueError(f"{where}: budget must be None or 'auto' (the host pool capped at this rank's share of "
+                         f"the node), got {value!r}")

@@ -250,3 +250,58 @@ def test_callback_refuses_a_budget_in_bytes():
 
     with pytest.raises(ValueError, match="budget must be None or 'auto'"):
         hf.OffloadCallback(budget=1 << 30)
+
+
+def test_trl_route_auto_caps_the_pool_when_a_trainer_takes_it(monkeypatch, node, reset):
+    pytest.importorskip("trl", reason="trl is an optional dependency")
+    import trl.models
+
+    from ckpt_offload.integrations import trl as ctrl
+
+    available = node(6 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="budget must be None or 'auto'"):
+        ctrl.install(budget="half")
+    assert not ctrl.installed()
+    ctrl.install(budget="auto")
+    try:
+        assert ckpt_offload.stats()["host_capacity_bytes"] == 0  # nothing until a trainer takes the route
+        ctx = trl.models.get_act_offloading_ctx_manager(make_model(layers=2, hidden=H, heads=4, max_len=S),
+                                                        warn_if_no_head=False)
+        assert ckpt_offload.stats()["host_capacity_bytes"] == int(available * 0.5) // 2
+        assert ctx is not None
+    finally:
+        ctrl.install()  # the default settings back for the tests that follow
+        ctrl.uninstall()
+
+
+def test_accelerate_route_auto_caps_the_pool_when_prepare_takes_it(monkeypatch, node, reset):
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional dependency")
+    pytest.importorskip("accelerate", reason="accelerate is an optional dependency")
+    import types
+
+    import accelerate.utils.fsdp_utils
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from ckpt_offload.integrations import accelerate as cacc
+
+    available = node(6 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="budget must be None or 'auto'"):
+        cacc.install(budget=1 << 30)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            activation_checkpointing=True, activation_checkpointing_offload=True)
+    plugin.set_auto_wrap_policy(model)
+    cacc.install(budget="auto")
+    try:
+        accelerate.utils.fsdp_utils.fsdp2_apply_ac(types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)),
+                                                   model)
+        assert ckpt_offload.stats()["host_capacity_bytes"] == int(available * 0.5) // 4
+        assert ckpt_offload.checkpointing_state(model)[1] == [0]  # keep_last=1 of 2 layers
+    finally:
+        ckpt_offload.disable_checkpointing(model)
+        cacc.install()
+        cacc.uninstall()

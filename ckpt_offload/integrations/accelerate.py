@@ -16,10 +16,12 @@ except ImportError as err:  # pragma: no cover - exercised only without accelera
 from .. import enable_checkpointing
 from .._args import check_prefetch as _check_prefetch
 from .._patching import NamePatch
+from .. import budget as _budget
+from ..engine import host_pool
 
 _NAME = "fsdp2_apply_ac"
 _patch = NamePatch("accelerate", _NAME)
-_settings = {"keep_last": 1, "prefetch": 1, "prefetch_bytes": None}
+_settings = {"keep_last": 1, "prefetch": 1, "prefetch_bytes": None, "budget": None}
 
 
 def wrapped_layers(plugin, model) -> list:
@@ -43,7 +45,7 @@ def wrapped_layers(plugin, model) -> list:
     return layers
 
 
-def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
+def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None, *, budget=None) -> None:
     """Routes FSDP2's activation_checkpointing_offload=True to the async engine.
 
     accelerate's fsdp2_apply_ac is replaced in every accelerate module that holds it (fsdp_utils,
@@ -52,11 +54,13 @@ def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
     ckpt_offload.enable_checkpointing(model, layers=..., offload=True, keep_last=..., prefetch=...,
     prefetch_bytes=...): their inputs go to the pinned pool asynchronously, the last keep_last stay on
     the device, prefetch layers come back ahead of need. With the flag off, or no auto-wrap policy,
-    accelerate's own fsdp2_apply_ac runs. Calling it again changes the settings;
-    uninstall() restores accelerate's own function.
+    accelerate's own fsdp2_apply_ac runs. budget="auto": when prepare takes the route, the host
+    pool is capped at this rank's share of the node (host_pool().set_capacity("auto")). Calling it
+    again changes the settings; uninstall() restores accelerate's own function.
     """
     _check_prefetch("accelerate.install", prefetch, prefetch_bytes, keep_last)
-    _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    _budget.check_route_budget("accelerate.install", budget)
+    _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes, budget=budget)
     if _patch.installed():
         return
     original = _source.__dict__[_NAME]
@@ -67,6 +71,8 @@ def install(keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None) -> None:
         layers = wrapped_layers(plugin, model) if plugin.activation_checkpointing_offload else None
         if not layers:
             return original(accelerator, model)
+        if _settings["budget"] is not None:
+            host_pool().set_capacity("auto")
         enable_checkpointing(
             model,
             layers=layers,

@@ -21,10 +21,12 @@ from .._args import check_prefetch as _check_prefetch
 from ..activations import offload_activations
 from .. import find_repeated_blocks
 from .._patching import NamePatch
+from .. import budget as _budget
+from ..engine import host_pool
 
 _NAME = "get_act_offloading_ctx_manager"
 _patch = NamePatch("trl", _NAME)
-_settings = {"keep_last": None, "prefetch": 2, "prefetch_bytes": None}
+_settings = {"keep_last": None, "prefetch": 2, "prefetch_bytes": None, "budget": None}
 
 
 def output_head(model: nn.Module):
@@ -85,6 +87,8 @@ def _ctx_manager(model, use_pin_memory=True, use_streams=True, min_offload_size=
             UserWarning,
             stacklevel=2,
         )
+    if _settings["budget"] is not None:
+        host_pool().set_capacity("auto")
     keep_last = _settings["keep_last"]
     if keep_last is None:
         # TRL's stash keeps the device copies of the last max_fwd_stash_size saved tensors alive into
@@ -100,7 +104,7 @@ def _ctx_manager(model, use_pin_memory=True, use_streams=True, min_offload_size=
     )
 
 
-def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None) -> None:
+def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None, *, budget=None) -> None:
     """Routes TRL's activation_offloading=True to the async engine, for every TRL trainer.
 
     TRL's get_act_offloading_ctx_manager is replaced in its own module, in trl.models (from which
@@ -111,13 +115,16 @@ def install(keep_last=None, prefetch: int = 2, prefetch_bytes=None) -> None:
     backward is in, are on their way back ahead of need: all that a layer saved (with gradient
     checkpointing, its inputs) moves as one unit; tensors for a model without repeated blocks. keep_last:
     the last N saved tensors that stay on the device; None: TRL's max_fwd_stash_size (5) as TRL's
-    stash does, 0 with use_streams=False. Calling it again changes the settings for trainers
-    created from then on; uninstall() restores TRL's own function everywhere.
+    stash does, 0 with use_streams=False. budget="auto": when a trainer takes the route, the host
+    pool is capped at this rank's share of the node (host_pool().set_capacity("auto")); what does
+    not fit stays on the device (or goes to the disk tier). Calling it again changes the settings
+    for trainers created from then on; uninstall() restores TRL's own function everywhere.
     """
     if keep_last is not None:
         _check_int("trl.install", "keep_last", keep_last, 0)
     _check_prefetch("trl.install", prefetch, prefetch_bytes)
-    _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    _budget.check_route_budget("trl.install", budget)
+    _settings.update(keep_last=keep_last, prefetch=prefetch, prefetch_bytes=prefetch_bytes, budget=budget)
     if _patch.installed():
         return
     original = _source.__dict__[_NAME]
