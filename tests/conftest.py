@@ -19,6 +19,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason where none is present")
+    config.addinivalue_line("markers", "tensor_parallel: tensor / sequence parallelism on several gloo processes "
+                            "(tests/test_tensor_parallel.py); run alone with -m tensor_parallel")
 
 
 @pytest.fixture
