@@ -416,31 +416,29 @@ class Attachment:
                 # Keywords travel in a closure, so torch's checkpoint sees only the positional inputs.
                 fn = functools.partial(fn, **kwargs)
             kwargs = {} if not self.checkpoint_kwargs and self.contexts.get(i) is None else self._checkpoint_kwargs(i)
-        out = self._run_session(i, fn, args, kwargs, keep)
-        if self.session is not None and (self.session.kept_types or self.kept_blocks):
-            self._ran(i, self.session)
-        return out
-
-    def _run_session(self, i, fn, args, kwargs, keep):
         mid = self.midpoints
         if mid is None or i is None:
-            return run_checkpoint(self.session, fn, args, kwargs, keep)
-        block = self.blocks[i]
-        walk = mid.walks.get(block)
-        if walk is not None and not kwargs:  # learned: the checkpoint and its midpoint in one call
-            out, armed = run_learned(self.session, fn, args, keep, walk)
-            if armed is None:
-                mid.leave(block, out)
-            elif armed < 1:
-                mid.rearm(block, out, armed)
-            return out
-        if block not in mid.path:  # else learned: nothing to do before the forward
-            mid.enter(block)
-        out = None
-        try:
             out = run_checkpoint(self.session, fn, args, kwargs, keep)
-        finally:
-            mid.leave(block, out)  # out None: the forward raised, and what it learned goes
+        else:
+            block = self.blocks[i]
+            walk = mid.walks.get(block)
+            if walk is not None and not kwargs:  # learned: the checkpoint and its midpoint in one call
+                out, armed = run_learned(self.session, fn, args, keep, walk)
+                if armed is None:
+                    mid.leave(block, out)
+                elif armed < 1:
+                    mid.rearm(block, out, armed)
+            else:
+                if block not in mid.path:  # else learned: nothing to do before the forward
+                    mid.enter(block)
+                out = None
+                try:
+                    out = run_checkpoint(self.session, fn, args, kwargs, keep)
+                finally:
+                    mid.leave(block, out)  # out None: the forward raised, and what it learned goes
+        session = self.session
+        if session is not None and (session.kept_types or self.kept_blocks):
+            self._ran(i, session)  # an input stayed on the device for its type, or did in an earlier run
         return out
 
     def _run_whole(self, i, function, args, kwargs):
