@@ -18,7 +18,7 @@ from torch import nn
 
 from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
 from .compile import _current_callback, _eagerly, _under, compiled
-from .session import OffloadSession
+from .session import OffloadSession, _warn_subclass
 
 ATTR = "_ckpt_offload"  # on the owner (see owner_of): the Attachment
 SLOT = "_ckpt_offload_block"  # on a plain block: (Attachment, index)
@@ -347,6 +347,10 @@ class Attachment:
         self.handles = []  # hook handles and Midpoints
         self.midpoints = None  # the Midpoints among handles: the blocks' forwards tell it where they are
         self.warned_reenable = False
+        # The blocks whose last run kept a saved tensor on the device for its type (a tensor subclass
+        # the engine cannot take): not offloaded, whatever their mode (state()).
+        self.kept_blocks = set()
+        self.warned_kept = set()  # (block index, type) said once
         self._runtime()
 
     # -- copies ------------------------------------------------------------------------------------
@@ -359,6 +363,34 @@ class Attachment:
 
     def _runtime(self):
         _eager_hooks()
+        self.__dict__.setdefault("kept_blocks", set())  # pickled before they existed
+        self.__dict__.setdefault("warned_kept", set())
+        for session in (self.session, self.whole):
+            if session is not None and session.kept_types is None:
+                session.kept_types = []  # noted for this attachment (a copy's sessions are new ones)
+
+    def _ran(self, i, session):
+        """Block i ran through session: whether a saved tensor stayed on the device for its type, said
+        once per block and type."""
+        kept = session.kept_types
+        if kept:
+            for cls in set(kept):
+                if (i, cls) not in self.warned_kept:
+                    self.warned_kept.add((i, cls))
+                    _warn_subclass(cls, self._layer_name(i))
+            kept.clear()
+            if i is not None:
+                self.kept_blocks.add(i)
+        elif self.kept_blocks and i is not None:
+            self.kept_blocks.discard(i)
+
+    def _layer_name(self, i):
+        if i is None:
+            return "(a module above the layers)"
+        for name, m in self.owner.named_modules():
+            if m is self.blocks[i]:
+                return f"{name!r} ({self.numbering[i]})"
+        return str(self.numbering[i])
 
     # -- what the blocks run -----------------------------------------------------------------------
     def _checkpoint_kwargs(self, i, extra=None):
@@ -386,23 +418,35 @@ class Attachment:
             kwargs = {} if not self.checkpoint_kwargs and self.contexts.get(i) is None else self._checkpoint_kwargs(i)
         mid = self.midpoints
         if mid is None or i is None:
-            return run_checkpoint(self.session, fn, args, kwargs, keep)
-        block = self.blocks[i]
-        walk = mid.walks.get(block)
-        if walk is not None and not kwargs:  # learned: the checkpoint and its midpoint in one call
-            out, armed = run_learned(self.session, fn, args, keep, walk)
-            if armed is None:
-                mid.leave(block, out)
-            elif armed < 1:
-                mid.rearm(block, out, armed)
-            return out
-        if block not in mid.path:  # else learned: nothing to do before the forward
-            mid.enter(block)
-        out = None
-        try:
             out = run_checkpoint(self.session, fn, args, kwargs, keep)
-        finally:
-            mid.leave(block, out)  # out None: the forward raised, and what it learned goes
+        else:
+            block = self.blocks[i]
+            walk = mid.walks.get(block)
+            if walk is not None and not kwargs:  # learned: the checkpoint and its midpoint in one call
+                out, armed = run_learned(self.session, fn, args, keep, walk)
+                if armed is None:
+                    mid.leave(block, out)
+                elif armed < 1:
+                    mid.rearm(block, out, armed)
+            else:
+                if block not in mid.path:  # else learned: nothing to do before the forward
+                    mid.enter(block)
+                out = None
+                try:
+                    out = run_checkpoint(self.session, fn, args, kwargs, keep)
+                finally:
+                    mid.leave(block, out)  # out None: the forward raised, and what it learned goes
+        session = self.session
+        if session is not None and (session.kept_types or self.kept_blocks):
+            self._ran(i, session)  # an input stayed on the device for its type, or did in an earlier run
+        return out
+
+    def _run_whole(self, i, function, args, kwargs):
+        """Block i in mode "offload": every tensor it saves through the whole-block session."""
+        with self.whole.hooks():
+            out = function(*args, **kwargs)
+        if self.whole.kept_types or self.kept_blocks:
+            self._ran(i, self.whole)
         return out
 
     def body(self, forward):
@@ -420,8 +464,7 @@ class Attachment:
         if mode == "offload":
             if not torch.is_grad_enabled():
                 return body(*args, **kwargs)
-            with self.whole.hooks():
-                return body(*args, **kwargs)
+            return self._run_whole(i, body, args, kwargs)
         # No session (a session's blocks go through their boundary in _block_forward): torch.compile
         # traces torch's checkpoint itself.
         return self._run(i, body, args, kwargs)
@@ -435,8 +478,7 @@ class Attachment:
     def call_layer(self, i, function, args, kwargs):
         """A transformers layer's checkpoint without a session (EagerLayerFunction has its own path)."""
         if i is not None and self.modes[i] == "offload":
-            with self.whole.hooks():
-                return function(*args)
+            return self._run_whole(i, function, args, {})
         return self._run(i, self.layer_body(i, function), args, kwargs)
 
     # -- attaching ---------------------------------------------------------------------------------
@@ -558,12 +600,15 @@ class Attachment:
         return "none"
 
     def state(self):
-        """(checkpointed indices, offloaded indices), numbered as the entry point returned them."""
+        """(checkpointed indices, offloaded indices), numbered as the entry point returned them. A
+        block whose last run kept a saved tensor on the device for its type is not offloaded."""
         checkpointed, offloaded = [], []
         for i in range(len(self.blocks)):
             mode = self.running_mode(i)
             if mode.startswith("checkpoint"):
                 checkpointed.append(self.numbering[i])
+            if i in self.kept_blocks:
+                continue
             if mode == "offload" or (mode.startswith("checkpoint+offload") and self.session is not None):
                 offloaded.append(self.numbering[i])
         return checkpointed, offloaded

@@ -30,6 +30,11 @@ def _set_capacity(pool, nbytes) -> None:
 # "auto" is worked out here, above the compiled pool, from the node's figures (hostmem).
 _C.HostPool.set_capacity = _set_capacity
 
+# Counted in Python (session.py): saved tensors of a tensor subclass the engine cannot take (not a
+# DTensor), kept on the device.
+python_counters = {"subclass_tensors_kept": 0}
+
+
 def engine_for(device) -> "_C.CopyEngine":
     """The process-wide copy engine of a device, created on first use.
 
@@ -122,7 +127,8 @@ def stats() -> dict:
         dict: `tensors_offloaded`, `bytes_offloaded`, `tensors_prefetched`, `bytes_prefetched`,
             `tensors_fetched`, `reloads_on_demand`, `tensors_released`, ... (engine counters, ints);
             the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
-            `host_alloc_calls`, ...); `tensors_kept_on_device`, `shared_views`, `midpoint_misses`;
+            `host_alloc_calls`, ...); `tensors_kept_on_device`, `subclass_tensors_kept`, `shared_views`,
+            `midpoint_misses`;
             `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
             `h2d_gb_per_s` (float, or None when nothing was timed); the disk tier's figures
             (`tensors_spilled`, `bytes_spilled`, `disk_*`; zero without a tier, see docs/disk.md).
@@ -137,6 +143,7 @@ def stats() -> dict:
     spill = _C.global_pool().spill_stats()
     out.update({name: spill[k] for k, name in _SPILL_KEYS.items()})
     out.update(_C.session_counters())  # the sessions' own: tensors_kept_on_device, shared_views, midpoint_misses
+    out.update(python_counters)
     out["profiling"] = _C.profiling()
     out["d2h_gb_per_s"] = _rate(out["d2h_bytes_timed"], out["d2h_copy_ms"])
     out["h2d_gb_per_s"] = _rate(out["h2d_bytes_timed"], out["h2d_copy_ms"])
@@ -163,6 +170,8 @@ def reset_stats() -> None:
         eng.reset_stats()
     _C.global_pool().reset_stats()
     _C.reset_session_counters()
+    for k in python_counters:
+        python_counters[k] = 0
 
 
 def profile(on: bool = True) -> None:

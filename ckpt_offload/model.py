@@ -208,7 +208,8 @@ def checkpointing_state(model: nn.Module):
     blocks run now, numbered as the entry point returned them; None when ckpt_offload did not configure
     it. A wrapper (peft's PeftModel, torch.compile's OptimizedModule, DataParallel) answers for the model
     inside. A layer that transformers' own checkpointing took over since counts as checkpointed, not
-    offloaded."""
+    offloaded; so does a layer whose last run kept an input on the device for its type (a tensor
+    subclass the engine cannot take: not a DTensor)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"checkpointing_state: model must be a torch.nn.Module, got {type(model).__name__}")
     att = find(model)

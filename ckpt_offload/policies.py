@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .session import Packed as _Packed
+from .session import _Shard
 
 # What this module needs from torch, looked up by feature, not by version string.
 _Policy = getattr(_tuc, "CheckpointPolicy", None)
@@ -371,7 +372,7 @@ class _Cached(_CachedBase):
                     "after the forward); clone it before writing, or pass allow_cache_entry_mutation=True"
                 )
             return x.val
-        if isinstance(x, _Packed):
+        if isinstance(x, (_Packed, _Shard)):  # a _Shard: a DTensor's shard on its way to the host
             if self.allow_mutation:
                 # The mutation check is off, as torch's is for *_SAVE outputs with this flag: what
                 # comes back is the copy, the value the op returned (torch's *_SAVE hands back the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -147,6 +148,10 @@ class OffloadSession:
         # whose copy to the host is still running ordered after it on their stream (no host wait).
         # Held longer, they would count as allocated into backward while the host runs ahead of the GPU.
         self.poll = core.poll
+        # Saved tensors of a subclass the engine cannot take, kept on the device: None, the pack path
+        # warns once per type; a list (an Attachment's sessions), their types are noted there, and the
+        # attachment reads them after each layer (it names the layer; checkpointing_state).
+        self.kept_types = None
 
     # The policy, read and written through the core.
     min_bytes = property(lambda self: self._core.min_bytes, lambda self, v: setattr(self._core, "min_bytes", v))
@@ -356,3 +361,108 @@ def _warn_refused(eng):
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# -- tensor subclasses: a DTensor's local shard goes through the engine --------------------------
+# The pack hook (csrc/session_core.cpp) hands every saved tensor of a subclass to _pack_subclass,
+# and what it returns back to _unpack_subclass: once per saved tensor, off the plain tensors' path.
+
+class _Shard:
+    """What autograd keeps for a saved DTensor: its local shard's Packed and the layout to rewrap it."""
+
+    __slots__ = ("packed", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, packed, mesh, placements, shape, stride):
+        self.packed = packed
+        self.mesh = mesh
+        self.placements = placements
+        self.shape = shape
+        self.stride = stride
+
+    # Read and written as a Packed's (policies: allow_cache_entry_mutation).
+    version = property(lambda self: self.packed.version, lambda self, v: setattr(self.packed, "version", v))
+    current_version = property(lambda self: self.packed.current_version)
+
+
+def _dtensor_class():
+    # Not imported here: without torch.distributed.tensor loaded no tensor is a DTensor.
+    api = sys.modules.get("torch.distributed.tensor._api")
+    return None if api is None else api.DTensor
+
+
+def _async_collective_class():
+    # The result of a functional collective (a DTensor's redistribute), waited for on first use.
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    return None if fc is None else fc.AsyncCollectiveTensor
+
+
+def _pack_subclass(hook, t, owner):
+    """The pack hook's call for a tensor subclass: a DTensor's local shard packed through hook (a
+    _Shard), a functional collective's result packed as its plain tensor, or None: t is packed as
+    it is, on the device. A subclass the engine cannot take that
+    pack would otherwise offload is counted (stats()['subclass_tensors_kept']) and reported."""
+    session = owner() if owner is not None else None
+    if session is None or isinstance(t, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return None
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        if session._track_modules and t.is_leaf and t.requires_grad:  # a weight (offload_activations)
+            return None
+        local = t._local_tensor
+        if local.requires_grad:  # from_local's view of a leaf: not a weight, whatever the flag says
+            local = local.detach()
+        spec = t._spec
+        return _Shard(hook(local), spec.mesh, spec.placements, t.shape, t.stride())
+    waits = _async_collective_class()
+    if waits is not None and isinstance(t, waits):
+        # Its plain result, waited for as the next op would (on a GPU the wait orders streams, the
+        # host does not block): the copy to the host is ordered after the collective.
+        return hook(t.trigger_wait())
+    if hook is session.pack_kept or isinstance(t, _traced_types()):
+        return None  # kept anyway, or a tracer's tensor (no data)
+    device = t.device.type
+    if not (device == "cuda" or (device == "cpu" and session.test_cpu)) or t.numel() * t.element_size() < session.min_bytes:
+        return None
+    if session._track_modules and t.is_leaf and t.requires_grad:
+        return None
+    _engine.python_counters["subclass_tensors_kept"] += 1
+    if session.kept_types is not None:
+        session.kept_types.append(type(t))
+    elif type(t) not in _subclass_warned:
+        _subclass_warned.add(type(t))
+        _warn_subclass(type(t), None)
+    return None
+
+
+def _unpack_subclass(hook, packed):
+    """The unpack hook's call for what _pack_subclass made: the shard back, as a DTensor of the same
+    mesh, placements, shape and stride."""
+    if type(packed) is not _Shard:
+        raise TypeError(f"OffloadSession.unpack: expected a Packed, got {type(packed).__name__}")
+    return _dtensor_class().from_local(hook(packed.packed), packed.mesh, packed.placements, run_check=False,
+                                       shape=packed.shape, stride=packed.stride)
+
+
+@functools.cache
+def _traced_types():
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
+
+
+_subclass_warned: set = set()  # the types warned of by sessions outside an Attachment
+
+
+def _warn_subclass(cls, layer):
+    """A saved tensor of this subclass stays on the device (the callers say it once per layer and type)."""
+    where = f"layer {layer}" if layer is not None else "a saved tensor"
+    warnings.warn(
+        f"ckpt_offload: {where}: a tensor of type {cls.__module__}.{cls.__qualname__} stays on the device: "
+        "the engine takes plain tensors and DTensors (their local shard), not other tensor subclasses. "
+        + ("checkpointing_state() does not count this layer as offloaded while it happens. " if layer is not None else "")
+        + "Gradients are unaffected. stats()['subclass_tensors_kept'] counts such tensors; shown once per "
+        + ("layer and type." if layer is not None else "type."),
+        RuntimeWarning,
+        stacklevel=3,
+    )

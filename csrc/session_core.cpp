@@ -66,7 +66,7 @@ bool plain_tensor(PyObject* obj) { return Py_TYPE(obj) == reinterpret_cast<PyTyp
 
 // Python functions and flags the core calls (looked up once).
 struct PyParts {
-  py::object timeline, profiler, named_engine, modified_error, warn_refused, engine;
+  py::object timeline, profiler, named_engine, modified_error, warn_refused, engine, pack_subclass, unpack_subclass;
   py::object timeline_globals, profiler_globals;  // the two modules' namespaces, read by naming()
   py::str enabled{"enabled"}, profiler_on{"_is_profiler_enabled"};
 };
@@ -83,6 +83,8 @@ PyParts& parts() {
     auto session = py::module_::import("ckpt_offload.session");
     out->modified_error = session.attr("_modified_error");
     out->warn_refused = session.attr("_warn_refused");
+    out->pack_subclass = session.attr("_pack_subclass");
+    out->unpack_subclass = session.attr("_unpack_subclass");
     return out;
   }();
   return *p;
@@ -970,10 +972,20 @@ PyObject* saved_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, 
                                                          : "OffloadSession.pack takes one tensor");
     return nullptr;
   }
-  if (h->kind != kUnpack) return translated([&] { return h->core->pack(py::handle(args[0]), h->kind == kPackKept); });
-  if (Py_TYPE(args[0]) != &packed_object_type) {  // never subclassed: the exact type
-    PyErr_Format(PyExc_TypeError, "OffloadSession.unpack: expected a Packed, got %s", Py_TYPE(args[0])->tp_name);
-    return nullptr;
+  if (h->kind != kUnpack) {
+    if (THPVariable_Check(args[0]) && !THPVariable_CheckExact(args[0])) {
+      // A tensor subclass: session.py packs a DTensor's local shard through this hook and notes what
+      // it cannot take; None: packed as it is (kept on the device).
+      PyObject* r = translated([&] {
+        return parts().pack_subclass(py::handle(self), py::handle(args[0]), h->core->owner ? h->core->owner : py::none());
+      });
+      if (r != Py_None) return r;
+      Py_DECREF(r);
+    }
+    return translated([&] { return h->core->pack(py::handle(args[0]), h->kind == kPackKept); });
+  }
+  if (Py_TYPE(args[0]) != &packed_object_type) {  // never subclassed: the exact type; else _pack_subclass's
+    return translated([&] { return parts().unpack_subclass(py::handle(self), py::handle(args[0])); });
   }
   return translated([&] { return h->core->unpack(reinterpret_cast<PackedObject*>(args[0])->p); });
 }

@@ -25,6 +25,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "multinode: two torchrun launchers on this machine as two nodes, 2 CPU processes each"
     )
+    config.addinivalue_line("markers", "tensor_parallel: tensor / sequence parallelism on several gloo processes "
+                            "(tests/test_tensor_parallel.py); run alone with -m tensor_parallel")
 
 
 @pytest.fixture
