@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_step  # noqa: E402
-from benchmarks.estimate_check import estimate_mode  # noqa: E402
+from benchmarks.estimate_check import estimate_mode, measured_peak  # noqa: E402
 
 
 def test_only_modes_that_correspond_are_compared():
@@ -23,6 +23,15 @@ def test_only_modes_that_correspond_are_compared():
     assert estimate_mode("async_offload", bench_step.parse_args(["--config", "small", "--keep-last", "0"]))[0] == \
         "checkpoint+offload"
     assert all(estimate_mode(m, a)[0] is None for m in ("every4", "sync_offload", "every2_async", "offload_activations"))
+
+
+def test_gpu_peak_leaves_out_what_the_step_started_with_besides_weights_gradients_inputs():
+    # 1000 bytes of weights, gradients and inputs; 1200 allocated at the step's start (200 of cuBLAS
+    # workspaces and cached tables); the step reached 5200: 4000 above its start.
+    row = dict(peak_device_bytes=5200, base_device_bytes=1200, base_bytes=1000, live_peak_bytes=None)
+    assert measured_peak(row, cuda=True) == (5000, 200)
+    assert measured_peak(dict(live_peak_bytes=4000, base_bytes=1000), cuda=False) == (5000, 0)
+    assert measured_peak(dict(mode="none", skipped="time budget spent"), cuda=True) == (None, None)
 
 
 def test_estimate_flag_defaults_and_refusals(capsys):
