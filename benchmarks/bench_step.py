@@ -22,8 +22,8 @@ import ckpt_offload  # noqa: E402
 
 # The names below are this script's interface too (tests and bench_bandwidth.py import them from here).
 from benchmarks.budget import evaluate_budget, plan_length, print_budget  # noqa: E402,F401
-from benchmarks.estimate_check import compare as compare_estimate, print_estimate  # noqa: E402
 from benchmarks.disk_mode import DISK_MODE, add_disk_ratios, plan_disk, print_disk  # noqa: E402,F401
+from benchmarks.estimate_check import compare as compare_estimate, print_estimate  # noqa: E402
 from benchmarks.hardware import hardware_info, select_device  # noqa: E402,F401
 from benchmarks.hf import HF_MODES, run_hf  # noqa: E402,F401
 from benchmarks.lengths import (LENGTH_MODES, add_length_args, finish_length_args, length_schedule,  # noqa: E402,F401

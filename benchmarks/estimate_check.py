@@ -55,9 +55,8 @@ def estimate_peaks(a, seq, cuda):
     with torch.device("meta"):
         model = Decoder(a, torch.device("meta"), a.torch_dtype).train()
     ids = make_ids(a, seq, torch.device("meta"))
-    est = ckpt_offload.estimate_memory(model, (ids,), optimizer=None, loss_fn=lambda loss: loss,
-                                       attention=None if cuda else "flash")
-    return est
+    return ckpt_offload.estimate_memory(model, (ids,), optimizer=None, loss_fn=lambda loss: loss,
+                                        attention=None if cuda else "flash")
 
 
 def compare(rows, a, cuda):
@@ -76,7 +75,13 @@ def compare(rows, a, cuda):
             out.append(entry)
             continue
         if seq not in ests:
-            ests[seq] = estimate_peaks(a, seq, cuda)
+            try:  # after every measurement: a failed estimate is reported, not the run's end
+                ests[seq] = estimate_peaks(a, seq, cuda)
+            except Exception as e:  # noqa: BLE001
+                ests[seq] = f"estimate_memory failed: {type(e).__name__}: {e}"
+        if isinstance(ests[seq], str):
+            out.append(dict(entry, not_compared=ests[seq]))
+            continue
         est = ests[seq].peak_bytes[em]
         entry.update(estimated_peak_bytes=est, measured_peak_bytes=measured, rel_error=est / measured - 1,
                      outside_estimate_bytes=outside, attention=ests[seq].attention)
