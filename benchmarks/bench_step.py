@@ -23,6 +23,7 @@ import ckpt_offload  # noqa: E402
 # The names below are this script's interface too (tests and bench_bandwidth.py import them from here).
 from benchmarks.budget import evaluate_budget, plan_length, print_budget  # noqa: E402,F401
 from benchmarks.disk_mode import DISK_MODE, add_disk_ratios, plan_disk, print_disk  # noqa: E402,F401
+from benchmarks.estimate_check import compare as compare_estimate, print_estimate  # noqa: E402
 from benchmarks.hardware import hardware_info, select_device  # noqa: E402,F401
 from benchmarks.hf import HF_MODES, run_hf  # noqa: E402,F401
 from benchmarks.lengths import (LENGTH_MODES, add_length_args, finish_length_args, length_schedule,  # noqa: E402,F401
@@ -79,6 +80,10 @@ def build_parser():
     p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
     p.add_argument("--budget", type=int, help="device bytes of a step (weights, gradients and inputs included): "
                    "also run the configuration plan_memory chooses for it (mode 'planned') beside the others")
+    p.add_argument("--estimate", action=argparse.BooleanOptionalAction,
+                   help="compare ckpt_offload.estimate_memory's peak per mode (the same decoder on the meta device) "
+                   "with the measured one, for none, full, every2 and async_offload at --keep-last 0 (default: on with "
+                   "a GPU, off on the CPU; not with --hf or --compile)")
     p.add_argument("--wide", action="store_true",
                    help="print every column (spread, H2D bytes, host pool, reload wait, copy throughput); the "
                    "default table keeps to about 120 characters; the JSON always holds every figure")
@@ -123,6 +128,10 @@ def parse_args(argv=None):
         a.mode_list.append("planned")
     if a.budget is not None and a.compile:
         p.error("--budget plans and runs eager blocks; leave out --compile")
+    if a.estimate and (a.hf or a.compile):
+        p.error("--estimate compares the eager decoder stack; leave out --hf and --compile")
+    if a.estimate is None:  # a meta-device run per length: no device memory, under a second
+        a.estimate = a.cuda and not a.hf and not a.compile
     a.torch_dtype = getattr(torch, a.dtype)
     a.elem = torch.finfo(a.torch_dtype).bits // 8
     if a.min_bytes is None:
@@ -220,6 +229,8 @@ def main(argv=None):
                 problems += length_problems
             if a.budget is not None:
                 result["budget"] = evaluate_budget(rows, a.budget, cuda)
+            if a.estimate:
+                result["estimate"] = compare_estimate(rows, a, cuda)
     incomplete = [f"{r['mode']}@{r['seq']}: {r['skipped']}" for r in rows if r.get("skipped")]
     result.update(rows=rows, savings=saves, problems=problems, incomplete=incomplete, elapsed_s=time.monotonic() - t0)
     result["plots"] = plot(rows, a, a.out, prefix, "hf_gc" if a.hf else "full") if rows else []
@@ -229,6 +240,7 @@ def main(argv=None):
     print_results(rows, saves, cuda, "hf_gc" if a.hf else "full", title, wide=a.wide)
     print_disk(rows)
     print_lengths(result.get("lengths", []), a, cuda)
+    print_estimate(result.get("estimate", []), cuda)
     if a.compile:
         print(f"\ntorch.compile ({a.compile}), every block: graphs / graph breaks / graphs compiled in timed steps")
         for r in rows:

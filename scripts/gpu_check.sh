@@ -275,8 +275,8 @@ stage tests_gpu 60 gpu_tests
 stage bandwidth 25 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
 # Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included, then a
 # varying-length pass (lengths 2048..8192 padded to 64, drawn per step): no host allocation after
-# the longest step.
-stage step 112 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 80 \
+# the longest step. --estimate: estimate_memory against the measured peaks (none, full, every2).
+stage step 112 "$PY" benchmarks/bench_step.py --config standard --layers "$LAYERS" --seqs "$SEQS" --budget-s 80 --estimate \
   --lengths 2048:8192 --length-steps 12 --out "$OUT/step"
 # Every mode with each block compiled by inductor (4 layers, one length: compiling is most of it).
 stage step_compile 60 "$PY" benchmarks/bench_step.py --compile --config standard --layers 4 --seqs 4096 --steps 3 \

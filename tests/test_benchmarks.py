@@ -121,7 +121,7 @@ def outputs(tmp_path_factory):
     """The three benchmark runs of scripts/gpu_check.sh at their CPU configuration, laid out as that
     script lays them out (step/, hf/, bandwidth/)."""
     out = tmp_path_factory.mktemp("gpu_check_out")
-    runs = {"step": ["benchmarks/bench_step.py", "--config", "small"],
+    runs = {"step": ["benchmarks/bench_step.py", "--config", "small", "--estimate"],
             "bandwidth": ["benchmarks/bench_bandwidth.py"],
             "host": ["benchmarks/bench_host.py", "--rounds", "2", "--warmup", "1", "--layers", "4", "--decoder-layers", "2",
                      "--hf-layers", "2"],
@@ -175,6 +175,9 @@ def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
     assert {t["target"] for t in result["targets"]} >= {"async_offload time / full",
                                                         "host allocations after the first step"}
     assert "CPU timings" in result["timing"] and "targets" in p.stdout
+    # --estimate (on in gpu_check.sh): the modes with an estimate counterpart compared, the others say why not.
+    assert {e["mode"] for e in result["estimate"] if "rel_error" in e} == {"none", "full", "every2"}
+    assert all(e["not_compared"] for e in result["estimate"] if "rel_error" not in e)
 
 
 def test_bench_step_compile_keeps_every_mode_compiled(outputs):
