@@ -7,16 +7,17 @@ transformers, TRL (activation_offloading=True) and accelerate (FSDP2 activation_
 from ._version import __version__
 from . import _loader
 
+_load_error = None
 try:
     _C = _loader.load()
-except Exception:  # ImportError, or OSError from a torch whose libraries do not load
+except Exception as _err:  # ImportError, or OSError from a torch whose libraries do not load
     # `python -m ckpt_offload env` (or `ckpt-offload env`) reports a core that does not load, with
     # its error, instead of failing on it; the package then defines nothing that needs the core.
     if not _loader.started_as_env_command():
         raise
-    _C = None
+    _load_error = _err
 
-if _C is not None:
+if _load_error is None:
     from .checkpointing import checkpoint  # noqa: E402
     from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
     from .activations import offload_activations  # noqa: E402

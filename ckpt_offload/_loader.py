@@ -24,7 +24,11 @@ def _installed_from():
     """What pip installed this package from, as pip takes it again (its direct_url.json record), or None
     when unknown or when that was a built wheel (reinstalling it would give back the same build)."""
     try:
-        text = metadata.distribution("ckpt_offload").read_text("direct_url.json")
+        dist = metadata.distribution("ckpt_offload")
+        # The record must be this copy's: another install may sit elsewhere on sys.path.
+        mine = os.path.realpath(str(dist.locate_file("ckpt_offload/__init__.py"))) == os.path.join(
+            os.path.realpath(_PACKAGE_DIR), "__init__.py")
+        text = dist.read_text("direct_url.json") if mine else None
         record = json.loads(text) if text else None
     except (metadata.PackageNotFoundError, ValueError):
         return None

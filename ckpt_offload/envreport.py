@@ -38,13 +38,12 @@ def _torch():
 
 
 def _core():
-    """The compiled core, or None, and the error that kept it from loading."""
-    from . import _loader
+    """The compiled core, or None, and the error that kept it from loading (the package keeps it)."""
+    import ckpt_offload
 
-    try:
-        return _loader.load(), None
-    except Exception as err:
-        return None, _error(err)
+    if ckpt_offload._load_error is not None:
+        return None, _error(ckpt_offload._load_error)
+    return ckpt_offload._C, None
 
 
 def _build(torch, core, error):
@@ -163,7 +162,7 @@ def report(probe_bandwidth=False) -> dict:
     """The report as a dict: `ckpt_offload`, `python`, `platform`, `torch`, `build`, `cuda`, `host`,
     `packages`, `settings`, and `probe` with `probe_bandwidth=True`."""
     torch, torch_info = _torch()
-    core, error = _core() if torch is not None else (None, "not loaded: torch does not import")
+    core, error = _core()
     cuda = _cuda(torch)
     out = {
         "ckpt_offload": __version__,
