@@ -31,8 +31,9 @@ done
 
 echo "== wheel from the sdist (host-only)"
 if [ -d /usr/lib/ccache ]; then
-  # pip unpacks the sdist under TMPDIR: compiles there hit the cache again with paths relative to it.
-  export PATH="/usr/lib/ccache:$PATH" CCACHE_BASEDIR="$WORK/tmp"
+  # pip unpacks the sdist into a new folder under TMPDIR each time: paths relative to it, and no
+  # hash of that folder (Python's flags have -g), let the next run hit the cache.
+  export PATH="/usr/lib/ccache:$PATH" CCACHE_BASEDIR="$WORK/tmp" CCACHE_NOHASHDIR=1
 fi
 start=$SECONDS
 TMPDIR="$WORK/tmp" CKPT_OFFLOAD_WITH_CUDA=0 MAX_JOBS=${MAX_JOBS:-$(nproc)} nice "$PY" -m pip wheel \
