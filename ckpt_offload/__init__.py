@@ -4,7 +4,7 @@ Three ways in: checkpoint() for one call, enable_checkpointing() for a model's r
 offload_activations() around any forward pass. integrations.hf, .trl and .accelerate plug into
 transformers, TRL (activation_offloading=True) and accelerate (FSDP2 activation_checkpointing_offload=True).
 """
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (public: ckpt_offload.__version__)
 from . import _loader
 
 _load_error = None
