@@ -1,5 +1,6 @@
 # Builds ckpt_offload._C from csrc/ with torch.utils.cpp_extension (use --no-build-isolation so it
-# compiles against the torch you run).
+# compiles against the torch you run). The metadata, extras and build requirements are in
+# pyproject.toml; what is here must be code: the toolkit, the CUDA or host-only variant, the build record.
 #
 # Environment switches:
 #   CKPT_OFFLOAD_WITH_CUDA=0|1  force the host-only or the CUDA build. Default: CUDA when the
@@ -14,12 +15,12 @@ import re
 import shutil
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "ckpt_offload"))
 from _toolkit import find_cuda_toolkit  # noqa: E402  (stdlib only; shared with CMake and the loader)
-from _floor import CUDA_MIN, cuda_message, torch_message, torch_too_old, TORCH_MIN  # noqa: E402
+from _floor import CUDA_MIN, cuda_message, torch_message, torch_too_old  # noqa: E402
 
 sys.path.pop(0)
 
@@ -33,7 +34,14 @@ def env_flag(name):
     return value == "1"
 
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:
+    raise SystemExit(
+        "ckpt_offload setup: torch is not importable. The extension compiles against the torch already "
+        "installed: install torch first, then `pip install --no-build-isolation ...` (an isolated build "
+        "environment has no torch, or another one; see docs/install.md)"
+    ) from None
 
 if torch_too_old(torch.__version__):
     raise SystemExit(torch_message("ckpt_offload setup", torch.__version__))
@@ -79,24 +87,28 @@ ext = Extension(
     extra_compile_args={"cxx": cxx_flags, "nvcc": cxx_flags} if with_cuda else cxx_flags,
 )
 
-# The build record the loader compares with the running torch.
-with open(os.path.join(ROOT, "ckpt_offload", "_build_info.py"), "w") as f:
-    f.write("# Written by setup.py at build time; compared with the running torch on import.\n")
-    f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
-    f.write(f"WITH_CUDA = {with_cuda!r}\n")
-    f.write(f"CUDA_VERSION = {'.'.join(map(str, cuda_version)) if cuda_version else None!r}\n")
-    f.write(f"CUDA_HOME = {toolkit!r}\n")
+
+
+class BuildExt(BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)):
+    """build_ext that also writes the build record the loader compares with the running torch: into
+    the build tree (so every wheel carries it) and, for an in-place or editable build, into the
+    source tree beside the .so. Only a build writes it: sdist and egg_info leave it alone."""
+
+    def run(self):
+        super().run()
+        folders = [os.path.join(self.build_lib, "ckpt_offload")]
+        if self.inplace:
+            folders.append(self.get_finalized_command("build_py").get_package_dir("ckpt_offload"))
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "_build_info.py"), "w") as f:
+                f.write("# Written by setup.py at build time; compared with the running torch on import.\n")
+                f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
+                f.write(f"WITH_CUDA = {with_cuda!r}\n")
+                f.write(f"CUDA_VERSION = {'.'.join(map(str, cuda_version)) if cuda_version else None!r}\n")
+                f.write(f"CUDA_HOME = {toolkit!r}\n")
+
 
 print(f"ckpt_offload setup: torch {torch.__version__}, CUDA build: {with_cuda}" + (f" (toolkit {toolkit})" if with_cuda else ""))
 
-setup(
-    name="ckpt_offload",
-    version="0.1.0",
-    description="Gradient checkpointing with asynchronous activation offload to pinned host memory",
-    packages=find_packages(include=["ckpt_offload", "ckpt_offload.*"]),
-    ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-    python_requires=">=3.10",
-    install_requires=[f"torch>={TORCH_MIN}", "packaging"],
-    extras_require={"hf": ["transformers>=5.0", "accelerate"], "test": ["pytest", "hypothesis"]},
-)
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -4,27 +4,35 @@ Three ways in: checkpoint() for one call, enable_checkpointing() for a model's r
 offload_activations() around any forward pass. integrations.hf, .trl and .accelerate plug into
 transformers, TRL (activation_offloading=True) and accelerate (FSDP2 activation_checkpointing_offload=True).
 """
-from ._loader import load as _load
+from ._version import __version__  # noqa: F401  (public: ckpt_offload.__version__)
+from . import _loader
 
-_C = _load()
+_load_error = None
+try:
+    _C = _loader.load()
+except Exception as _err:  # ImportError, or OSError from a torch whose libraries do not load
+    # `python -m ckpt_offload env` (or `ckpt-offload env`) reports a core that does not load, with
+    # its error, instead of failing on it; the package then defines nothing that needs the core.
+    if not _loader.started_as_env_command():
+        raise
+    _load_error = _err
 
-from .checkpointing import checkpoint  # noqa: E402
-from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
-from .activations import offload_activations  # noqa: E402
-from .session import OffloadSession  # noqa: E402
-from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
-from .reserve import reserve_for  # noqa: E402
-from .planner import MemoryPlan, plan_memory  # noqa: E402
-from .estimate import MemoryEstimate, estimate_memory  # noqa: E402
-# The function shadows its module's name in the package (the module stays in sys.modules).
-from .timeline import Timeline, timeline  # noqa: E402
+if _load_error is None:
+    from .checkpointing import checkpoint  # noqa: E402
+    from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
+    from .activations import offload_activations  # noqa: E402
+    from .session import OffloadSession  # noqa: E402
+    from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
+    from .reserve import reserve_for  # noqa: E402
+    from .planner import MemoryPlan, plan_memory  # noqa: E402
+    from .estimate import MemoryEstimate, estimate_memory  # noqa: E402
+    # The function shadows its module's name in the package (the module stays in sys.modules).
+    from .timeline import Timeline, timeline  # noqa: E402
 
-HostPool = _C.HostPool
-HostBlock = _C.HostBlock
-CopyEngine = _C.CopyEngine
-OffloadHandle = _C.OffloadHandle
-
-__version__ = "0.1.0"
+    HostPool = _C.HostPool
+    HostBlock = _C.HostBlock
+    CopyEngine = _C.CopyEngine
+    OffloadHandle = _C.OffloadHandle
 
 
 def build_info():

@@ -29,8 +29,22 @@ def main(argv=None) -> int:
     if name not in COMMANDS:
         print(f"ckpt_offload: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise  # the command exists and a module it imports is missing: that error is the one to see
+        print(f"ckpt_offload: the {name!r} command is not part of this installation ({module_name} is "
+              f"missing); ckpt_offload {_version()}", file=sys.stderr)
+        return 2
     return int(module.main(rest) or 0)
+
+
+def _version():
+    from ._version import __version__
+
+    return __version__
 
 
 if __name__ == "__main__":

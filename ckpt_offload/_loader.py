@@ -1,10 +1,67 @@
 """Loads the compiled core, ckpt_offload._C, and checks it was built for the torch that is running."""
-import torch
+import json
+import os
+import sys
+from importlib import metadata
+
 from packaging.version import Version
 
 from ._floor import torch_message, torch_too_old
 
-REBUILD = "pip install --no-build-isolation -e .   (in the ckpt_offload source folder)"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def source_checkout():
+    """The source folder this package runs from (a checkout or an unpacked sdist: setup.py and csrc/
+    beside the package), or None for a package installed elsewhere (site-packages, --target)."""
+    root = os.path.dirname(_PACKAGE_DIR)
+    if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc")):
+        return root
+    return None
+
+
+def _installed_from():
+    """What pip installed this package from, as pip takes it again (its direct_url.json record), or None
+    when unknown or when that was a built wheel (reinstalling it would give back the same build)."""
+    try:
+        dist = metadata.distribution("ckpt_offload")
+        # The record must be this copy's: another install may sit elsewhere on sys.path.
+        mine = os.path.realpath(str(dist.locate_file("ckpt_offload/__init__.py"))) == os.path.join(
+            os.path.realpath(_PACKAGE_DIR), "__init__.py")
+        text = dist.read_text("direct_url.json") if mine else None
+        record = json.loads(text) if text else None
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("url"), str):
+        return None
+    url = record["url"]
+    vcs = record.get("vcs_info")
+    if isinstance(vcs, dict) and vcs.get("vcs"):
+        rev = vcs.get("requested_revision")
+        return f"{vcs['vcs']}+{url}" + (f"@{rev}" if rev else "")
+    if url.endswith(".whl"):
+        return None
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def rebuild_command():
+    """The command that rebuilds the core against the running torch: in a source folder the in-place
+    build, for an installed package pip's reinstall from its source (`--no-deps`: torch stays)."""
+    root = source_checkout()
+    if root is not None:
+        return f"pip install --no-build-isolation -e .   (in {root})"
+    source = _installed_from() or "<the sdist or git URL ckpt_offload was installed from>"
+    return f"pip install --no-build-isolation --no-deps --force-reinstall {source}"
+
+
+def started_as_env_command():
+    """Whether this process is `python -m ckpt_offload env ...` or `ckpt-offload env ...`: the bug
+    report, which must run (and report the error) where the core does not load."""
+    argv = list(getattr(sys, "orig_argv", []))
+    for i in range(len(argv) - 2):
+        if argv[i] == "-m" and argv[i + 1] in ("ckpt_offload", "ckpt_offload.__main__"):
+            return argv[i + 2] == "env"
+    return os.path.basename(sys.argv[0]) == "ckpt-offload" and sys.argv[1:2] == ["env"]
 
 
 def _record():
@@ -22,6 +79,8 @@ def _release(version):
 
 
 def load():
+    import torch  # here, not above: the env report imports this module to report a torch that fails to import
+
     record = _record()
     installed = torch.__version__
     if torch_too_old(installed):
@@ -29,7 +88,7 @@ def load():
     if record is not None and _release(record.TORCH_VERSION) != _release(installed):
         raise ImportError(
             f"ckpt_offload._C was built for torch {record.TORCH_VERSION} but torch {installed} is installed; "
-            f"rebuild it: {REBUILD}"
+            f"rebuild it: {rebuild_command()}"
         )
     try:
         from . import _C
@@ -37,6 +96,6 @@ def load():
         built_for = record.TORCH_VERSION if record is not None else "no build record: never built"
         raise ImportError(
             f"ckpt_offload._C could not be loaded ({err}). Built for torch: {built_for}; installed: torch "
-            f"{installed}. Build it with: {REBUILD}"
+            f"{installed}. Build it with: {rebuild_command()}"
         ) from err
     return _C

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets up .venv with what ckpt_offload needs and builds the extension in place (CUDA variant when
-# torch has CUDA and a toolkit is found; see setup.py). Safe to run again: it runs pip only when
-# requirements.txt changed since the last successful install into this venv (a stamp in the venv),
-# and rebuilds only when the sources changed or the build no longer loads.
+# Sets up .venv with what ckpt_offload, its tests, benchmarks and docs need (pyproject.toml's build
+# requirements, dependencies and `dev` extra, listed by scripts/dev_requirements.py) and builds the
+# extension in place (CUDA variant when torch has CUDA and a toolkit is found; see setup.py). Safe to
+# run again: it runs pip only when that list changed since the last successful install into this
+# venv (a stamp in the venv), and rebuilds only when the sources changed or the build no longer loads.
 #
 # Environment: PYTHON (python3.11 if present, else python3), VENV (.venv), CKPT_OFFLOAD_WITH_CUDA.
 set -euo pipefail
@@ -15,18 +16,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
-# The stamp holds the hash of the requirements.txt last installed: pip itself takes seconds even
+# The stamp holds the hash of the requirement list last installed: pip itself takes seconds even
 # when everything is there, and every benchmark and test run starts here.
 stamp="$VENV/.ckpt_offload_requirements.sha256"
-want=$("$VENV/bin/python" -c 'import hashlib; print(hashlib.sha256(open("requirements.txt", "rb").read()).hexdigest())')
+reqs="$VENV/.ckpt_offload_dev_requirements.txt"
+"$VENV/bin/python" scripts/dev_requirements.py > "$reqs.new"
+want=$("$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$reqs.new")
+mv "$reqs.new" "$reqs"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  echo "== installing requirements (torch is large: the first time takes a few minutes)"
+  echo "== installing requirements from pyproject.toml (torch is large: the first time takes a few minutes)"
   rm -f "$stamp"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r requirements.txt
+  "$VENV/bin/python" -m pip install -q -r "$reqs"
   echo "$want" > "$stamp"
 else
-  echo "== requirements.txt unchanged since the last install into $VENV: pip skipped (remove $stamp to force it)"
+  echo "== requirements in pyproject.toml unchanged since the last install into $VENV: pip skipped (remove $stamp to force it)"
 fi
 
 so=$(ls ckpt_offload/_C*.so 2>/dev/null | head -n 1 || true)

@@ -97,3 +97,39 @@ def test_setup_refuses_a_cuda_toolkit_below_the_floor(tmp_path):
     assert run.returncode != 0
     assert f"the CUDA toolkit at {toolkit} is 11.8, older than 12.0" in run.stderr
     assert open(os.path.join(root, "ckpt_offload", "_build_info.py")).read() == before  # nothing written
+
+
+# -- the rebuild command the loader names ----------------------------------------------------------
+class FakeDistribution:
+    def __init__(self, location, direct_url):
+        self.location, self.direct_url = location, direct_url
+
+    def locate_file(self, path):
+        return os.path.join(self.location, path)
+
+    def read_text(self, name):
+        return self.direct_url if name == "direct_url.json" else None
+
+
+@pytest.mark.parametrize("direct_url, source", [
+    ('{"url": "https://example.org/ckpt_offload.git", "vcs_info": {"vcs": "git", "requested_revision": "v0.1.0", '
+     '"commit_id": "abc"}}', "git+https://example.org/ckpt_offload.git@v0.1.0"),
+    ('{"url": "file:///dl/ckpt_offload-0.1.0.tar.gz", "archive_info": {}}', "/dl/ckpt_offload-0.1.0.tar.gz"),
+    # A built wheel would come back as the same build: no source named.
+    ('{"url": "file:///dl/ckpt_offload-0.1.0-cp311-linux_x86_64.whl", "archive_info": {}}',
+     "<the sdist or git URL ckpt_offload was installed from>"),
+])
+def test_outside_a_checkout_the_rebuild_is_pips_reinstall_from_the_source(monkeypatch, direct_url, source):
+    site = os.path.dirname(os.path.dirname(os.path.abspath(_loader.__file__)))
+    monkeypatch.setattr(_loader, "source_checkout", lambda: None)
+    monkeypatch.setattr(_loader.metadata, "distribution", lambda name: FakeDistribution(site, direct_url))
+    assert _loader.rebuild_command() == f"pip install --no-build-isolation --no-deps --force-reinstall {source}"
+    # Another copy's record (an install elsewhere on sys.path) does not name this copy's source.
+    monkeypatch.setattr(_loader.metadata, "distribution", lambda name: FakeDistribution("/elsewhere", direct_url))
+    assert _loader.rebuild_command().endswith("<the sdist or git URL ckpt_offload was installed from>")
+
+
+def test_in_a_checkout_the_rebuild_is_the_in_place_build():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert _loader.source_checkout() == os.path.dirname(os.path.dirname(os.path.abspath(_loader.__file__))) == root
+    assert _loader.rebuild_command() == f"pip install --no-build-isolation -e .   (in {root})"

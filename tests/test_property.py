@@ -1,6 +1,6 @@
 """Property test: any strided tensor, of any dtype, round-trips exactly through the engine.
 
-hypothesis is a test dependency (requirements.txt); a machine without it skips this file only.
+hypothesis is a test dependency (the test extra in pyproject.toml); a machine without it skips this file only.
 """
 import pytest
 import torch

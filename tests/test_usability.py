@@ -1,7 +1,7 @@
 """What a new user meets first: arguments checked where they are given (bools as bools, reentrant
 refused by name, layer indices), inputs that are not offloaded said out loud, autograd's own
 in-place error word for word, a docs page that documents every statistic, and benchmark output and
-setup that a reader can use (help text, a table that fits, pip only when requirements change)."""
+setup that a reader can use (help text, a table that fits, pip only when the requirements in pyproject.toml change)."""
 import json
 import os
 import re
@@ -323,7 +323,8 @@ def test_bench_step_rows_start_from_an_empty_pool_and_cpu_rows_have_a_peak_ratio
 
 def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
     """scripts/setup.sh against a stand-in venv whose python logs pip calls (and runs the real
-    interpreter for everything else): the second run skips pip; a changed stamp brings it back."""
+    interpreter for everything else): the first run installs the list scripts/dev_requirements.py
+    derives from pyproject.toml, the second skips pip; a changed stamp brings it back."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     log = tmp_path / "pip.log"
@@ -334,18 +335,26 @@ def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
     )
     (venv / "bin" / "python").chmod(0o755)
     env = dict(os.environ, VENV=str(venv))
+    reqs = venv / ".ckpt_offload_dev_requirements.txt"
+    install = f"-m pip install -q -r {reqs}"
 
     def run():
         p = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout + p.stderr
         calls = log.read_text().splitlines() if log.exists() else []
         log.unlink(missing_ok=True)
-        return p.stdout, [c for c in calls if "requirements.txt" in c]
+        return p.stdout, [c for c in calls if " -r " in c]
 
     out, calls = run()
-    assert calls == ["-m pip install -q -r requirements.txt"] and "installing requirements" in out
+    assert calls == [install] and "installing requirements" in out
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import dev_requirements
+    finally:
+        sys.path.pop(0)
+    assert reqs.read_text().splitlines() == dev_requirements.dev_requirements(dev_requirements.load())
     out, calls = run()
     assert calls == [] and "pip skipped" in out
-    (venv / ".ckpt_offload_requirements.sha256").write_text("an older requirements.txt\n")
+    (venv / ".ckpt_offload_requirements.sha256").write_text("an older list\n")
     out, calls = run()
-    assert calls == ["-m pip install -q -r requirements.txt"]
+    assert calls == [install]
