@@ -204,6 +204,7 @@ def main(argv=None):
                     threads=len(os.listdir("/proc/self/task")), pool_reserved=s["reserved_bytes"],
                     pool_in_use=s["in_use_bytes"], spill_files=count_files(spill_root), objects=len(gc.get_objects()))
 
+    print(f"soak: ckpt_offload from {os.path.dirname(ckpt_offload.__file__)}")
     print(f"soak: {args.steps} steps on {device} ({ckpt_offload.build_info()['test_path']} test path), "
           f"{args.layers} layers of width {args.width}, batch {args.batch}, lengths {args.lengths}; host cap "
           f"{cap / MiB:.2f} MiB with the disk tier in {spill_root}; warm-up {args.warmup} steps", flush=True)
