@@ -2,15 +2,18 @@
 # The extension built with AddressSanitizer and UndefinedBehaviorSanitizer (the CMake build with
 # CKPT_OFFLOAD_SANITIZE=ON, -O1 -g, into a folder of its own: the in-place build is untouched), its
 # C++ unit tests under ctest, then the engine, session, pool, disk, timeline, checkpoint and
-# reliability tests against it: on the CPU test path, and on the simulated asynchronous runtime with
-# one seed. Any sanitizer report fails the run, and every report is printed at the end.
+# reliability tests against it, on the CPU test path with the simulated asynchronous runtime (one
+# seed; copies in flight on worker threads), in one pytest run; RUNTIMES="sync async" adds a run on
+# the synchronous CPU runtime first. Any sanitizer report fails the run, and every report is printed
+# at the end.
 #
 # Usage: scripts/test_sanitized.sh [BUILD_DIR] [extra cmake arguments...]
 #   BUILD_DIR  default build-sanitize; a relative path is taken from the repository root.
 #   e.g.       scripts/test_sanitized.sh build-san -DCKPT_OFFLOAD_WITH_CUDA=OFF   (host-only)
 # Environment:
 #   PYTHON       the interpreter (default: .venv/bin/python of the repo); JOBS: compile jobs
-#   SEED         the simulated runtime's seed (default 4: CI's other async runs use 1 to 3)
+#   SEED         the simulated runtime's seed (default 4: CI's other simulated run uses seed 1)
+#   RUNTIMES     which CPU runtimes to run the tests on: "async" (default), "sync", or "sync async"
 #   PYTEST_ARGS  extra pytest arguments
 #
 # The interpreter and torch are not instrumented: the ASan runtime is preloaded (LD_PRELOAD) so that
@@ -25,6 +28,7 @@ build=${1:-build-sanitize}
 python=${PYTHON:-$root/.venv/bin/python}
 [[ $python == */* && $python != /* ]] && python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
 seed=${SEED:-4}
+runtimes=${RUNTIMES:-async}
 
 # Reports go to files (one per process, children included): pytest's capture would swallow them,
 # and a halted process prints nothing else.
@@ -76,19 +80,20 @@ print("== sanitized build:", ckpt_offload.build_info())
 ' "$build"
 
 t=$root/tests
+files=("$t/test_engine.py" "$t/test_session_scope.py" "$t/test_pool.py" "$t/test_pool_shapes.py" "$t/test_disk.py"
+       "$t/test_disk_safety.py" "$t/test_timeline.py" "$t/test_checkpoint.py" "$t/test_reliability.py")
 status=0
-step=$SECONDS
-echo "== sanitized, CPU test path"
-run "$python" -m pytest --rootdir "$root" -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-  "$t/test_engine.py" "$t/test_session_scope.py" "$t/test_pool.py" "$t/test_pool_shapes.py" "$t/test_disk.py" \
-  "$t/test_disk_safety.py" "$t/test_timeline.py" "$t/test_checkpoint.py" "$t/test_reliability.py" || status=1
-echo "== took $((SECONDS - step)) s"
-step=$SECONDS
-echo "== sanitized, simulated asynchronous runtime, seed $seed"
-CKPT_OFFLOAD_TEST_ASYNC=1 CKPT_OFFLOAD_TEST_SEED=$seed \
-  run "$python" -m pytest --rootdir "$root" -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-  "$t/test_engine.py" "$t/test_disk.py" "$t/test_timeline.py" "$t/test_checkpoint.py" "$t/test_reliability.py" ||
-  status=1
-echo "== took $((SECONDS - step)) s; in all $((SECONDS - start)) s"
+for rt in $runtimes; do
+  step=$SECONDS
+  case $rt in
+    sync) echo "== sanitized, CPU test path, synchronous runtime"; async=0 ;;
+    async) echo "== sanitized, CPU test path, simulated asynchronous runtime, seed $seed"; async=1 ;;
+    *) echo "test_sanitized: RUNTIMES takes sync and async, got '$rt'" >&2; exit 2 ;;
+  esac
+  CKPT_OFFLOAD_TEST_ASYNC=$async CKPT_OFFLOAD_TEST_SEED=$seed \
+    run "$python" -m pytest --rootdir "$root" -q -p no:cacheprovider ${PYTEST_ARGS:-} "${files[@]}" || status=1
+  echo "== took $((SECONDS - step)) s"
+done
+echo "== in all $((SECONDS - start)) s"
 report || status=1
 exit $status
