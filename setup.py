@@ -9,6 +9,8 @@
 #   CUDA_HOME / CUDA_PATH       the toolkit to use. Default: searched (see find_cuda_toolkit), which
 #                               also sees through an `nvcc` on PATH that is only a wrapper script.
 #   CKPT_OFFLOAD_DEBUG=1        -O0 -g instead of -O3.
+#   CKPT_OFFLOAD_SANITIZE=1     AddressSanitizer + UndefinedBehaviorSanitizer (-O1 -g unless DEBUG); Python
+#                               then needs LD_PRELOAD of the ASan runtime (scripts/test_sanitized.sh).
 #   MAX_JOBS=N                  parallel compile jobs (ninja).
 import os
 import re
@@ -71,6 +73,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 debug = env_flag("CKPT_OFFLOAD_DEBUG")
 cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
+sanitize = ["-fsanitize=address,undefined"] if env_flag("CKPT_OFFLOAD_SANITIZE") else []
+if sanitize:
+    cxx_flags = (cxx_flags if debug else ["-O1", "-g"]) + sanitize + ["-fno-omit-frame-pointer"]
 macros = [("CKPT_OFFLOAD_TORCH_VERSION", f'"{torch.__version__}"')]
 if with_cuda:
     macros.append(("CKPT_OFFLOAD_WITH_CUDA", None))
@@ -85,6 +90,7 @@ ext = Extension(
     sources,
     define_macros=macros,
     extra_compile_args={"cxx": cxx_flags, "nvcc": cxx_flags} if with_cuda else cxx_flags,
+    extra_link_args=sanitize,
 )
 
 

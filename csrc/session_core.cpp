@@ -121,8 +121,9 @@ struct Record {
   bool read_ahead = false;  // a read from the disk tier was asked for
   int64_t task = kNoTask;   // the backward (graph task) that fetched it last: not prefetched again there
   at::Tensor tensor;        // once back, while views sharing the copy are still to be unpacked
-  int64_t users = 0;        // the packs attached to this copy (views of one range share it)
+  int64_t users = 0;        // the live packs attached to this copy (views of one range share it)
   int64_t left = 0;         // of those, how many this backward has still to unpack while tensor is held
+  uint64_t hold = 0;        // which holding of tensor this is (a pack that unpacked from it knows)
 };
 using RecordPtr = std::shared_ptr<Record>;
 
@@ -158,11 +159,17 @@ struct Packed {
   std::optional<c10::VariableVersion> counter;  // once the tensor itself is no longer held
   std::optional<c10::Stream> stream;            // the producer's stream, for a send the keep-last queue deferred
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> source;  // names it in errors
+  uint64_t hold = 0;  // the record's holding this pack last unpacked from
 
   ~Packed() {
-    if (kept) {
-      WithGil gil;
-      kept = py::object();
+    if (!kept && !record) return;
+    WithGil gil;  // the record's counts are guarded by it, and a tensor may hold a Python object
+    kept = py::object();
+    if (record) {
+      // Its graph died or its node ran: a reload held for the packs sharing the copy waits for
+      // one fewer (else it stays on the device until the record dies, after a retained graph).
+      record->users -= 1;
+      if (record->tensor.defined() && hold != record->hold && --record->left <= 0) record->tensor = at::Tensor();
     }
   }
 
@@ -238,7 +245,14 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     if (static_cast<int64_t>(deferred_.size()) > keep_last) {
       PackedPtr oldest = deferred_.front();
       deferred_.pop_front();
-      send(*oldest);
+      try {
+        send(*oldest);
+      } catch (...) {
+        // Out of the queue, so end() will not detach it: a saved output kept as given would hold
+        // its graph in a cycle through this Packed (which autograd already holds).
+        hold_detached(*oldest);
+        throw;
+      }
     }
     return wrap_packed(std::move(p));
   }
@@ -446,9 +460,11 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   }
 
   // Held detached (torch's advice for pack hooks): a saved output held with its grad_fn would make a
-  // cycle node -> Packed -> tensor -> node that no collector sees. The original is named by source.
+  // cycle node -> Packed -> tensor -> node that no collector sees (Packed is not GC-tracked). The
+  // original is named by source. A __torch_dispatch__ subclass (DTensor, TwoTensor) detaches through
+  // its own dispatch and stays that subclass, without the grad_fn, as torch's own saved outputs do.
   static void keep_detached(Packed& p, py::handle obj, const at::Tensor& t) {
-    if (!plain_tensor(obj.ptr()) || !t.grad_fn()) {  // no graph to cycle through: the tensor itself
+    if (!t.grad_fn()) {  // no graph to cycle through: the tensor itself
       p.kept = py::reinterpret_borrow<py::object>(obj);
       return;
     }
@@ -650,8 +666,9 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     prune_at_ = std::max<size_t>(256, 2 * by_storage_.size());
   }
 
-  at::Tensor load(Record& rec, const Packed& p) {
+  at::Tensor load(Record& rec, Packed& p) {
     if (rec.tensor.defined()) {  // a view sharing the copy, unpacked before: the last one lets it go
+      p.hold = rec.hold;
       rec.left -= 1;
       at::Tensor t = rec.tensor;
       if (rec.left <= 0) rec.tensor = at::Tensor();
@@ -672,6 +689,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     if (rec.users > 1) {
       rec.tensor = t;
       rec.left = rec.users - 1;
+      p.hold = ++rec.hold;
     }
     // The pack being unpacked, not the record's: a copy shared with a later graph's pack sits among
     // that graph's entries, and this backward must not reload those.

@@ -13,12 +13,14 @@ import sys
 import textwrap
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_offload
@@ -294,6 +296,135 @@ def test_forward_without_backward_returns_every_block(device, case, how, test_cp
         model.zero_grad(set_to_none=True)
         settle(device)
         assert torch.cuda.memory_allocated() <= base_device, f"{case}: device memory not returned"
+
+
+class _TanhBlock(nn.Module):
+    """tanh saves its own output: under hooks that keep it as given, a cycle through its grad_fn."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+def _subclass_forward(entry, blocks, x):
+    if entry == "offload_activations":
+        ctx = ckpt_offload.offload_activations(min_bytes=0)
+    elif entry == "keep_last":
+        ctx = ckpt_offload.offload_activations(min_bytes=0, keep_last=2)
+    elif entry == "checkpoint":
+        return ckpt_offload.checkpoint(blocks, x * 1)
+    else:  # enable_block_modes / enable_checkpointing: configured on the model
+        ctx = contextlib.nullcontext()
+    with ctx:
+        return blocks(x * 1)
+
+
+@pytest.mark.parametrize("entry", ["offload_activations", "keep_last", "block_offload", "checkpoint",
+                                   "enable_checkpointing"])
+def test_subclass_outputs_of_dropped_forwards_are_collected(entry, test_cpu):
+    """PITFALLS 30: a __torch_dispatch__ subclass (TwoTensor here, DTensor under FSDP2 and TP) saved
+    as an op's output is held detached, as a plain tensor is: forwards dropped without backward
+    leave none of their tensors alive. Backward through the hooks still gives the plain gradients."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor", reason="torch's TwoTensor test subclass")
+    TwoTensor = two_tensor.TwoTensor
+    torch.manual_seed(0)
+    blocks = nn.Sequential(_TanhBlock(16), _TanhBlock(16))
+    ref = nn.Sequential(_TanhBlock(16), _TanhBlock(16))
+    ref.load_state_dict(blocks.state_dict())
+    if entry == "block_offload":
+        ckpt_offload.enable_block_modes(blocks, ["offload", "offload"], layers=list(blocks))
+    elif entry == "enable_checkpointing":
+        ckpt_offload.enable_checkpointing(blocks, offload=True, layers=list(blocks))
+    x = TwoTensor(torch.randn(8, 16), torch.randn(8, 16)).requires_grad_()
+
+    def alive():
+        gc.collect()
+        return sum(type(o) is TwoTensor for o in gc.get_objects())
+
+    before = alive()
+    for _ in range(50):
+        out = _subclass_forward(entry, blocks, x)
+        assert type(out) is TwoTensor
+        del out
+    assert alive() == before, f"{entry}: TwoTensors of forwards dropped without backward are still alive"
+    # The subclass went through the hooks (held, not offloaded): backward still sees what it saved.
+    _subclass_forward(entry, blocks, x).sum().backward()
+    grad = x.grad
+    x.grad = None
+    ref(x * 1).sum().backward()
+    assert type(grad) is TwoTensor
+    assert torch.equal(grad.a, x.grad.a) and torch.equal(grad.b, x.grad.b)
+    for p, r in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
+    assert in_use() == 0
+
+
+def test_error_sending_from_the_keep_last_queue_leaves_no_cycle(monkeypatch, test_cpu):
+    """keep_last: the oldest queued tensor is sent by a later pack. An error raised in that send (an
+    interrupt arriving in it, a copy error surfacing there) leaves the queued tensor held detached,
+    as end() would: a saved output kept with its grad_fn would leak its graph (PITFALLS 30)."""
+    timeline = sys.modules["ckpt_offload.timeline"]
+    monkeypatch.setattr(timeline, "enabled", True)  # sends go through NamedEngine.offload, in Python
+    sent = []
+
+    def interrupted(self, src):
+        sent.append(src.shape)
+        raise KeyboardInterrupt("arrived inside a send")
+
+    monkeypatch.setattr(timeline.NamedEngine, "offload", interrupted)
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt, match="inside a send"):
+        with ckpt_offload.offload_activations(min_bytes=0, keep_last=1):
+            e = x.exp()  # exp saves its output: the queue's first entry
+            ref = weakref.ref(e)
+            e.tanh()  # saves its output too, which sends exp's from the queue
+    assert sent == [(64, 64)], "the send from the queue did not run: the case would prove nothing"
+    del e
+    gc.collect()
+    assert ref() is None, "the queued output whose send raised is still alive with its graph"
+    assert in_use() == 0
+
+
+def test_dead_view_sharing_a_copy_does_not_hold_the_reload(test_cpu):
+    """Two saved tensors share one host copy (a tensor and a view of it); the view's graph dies before
+    backward. The reload of the other is not held on the device for a view that will never unpack:
+    after a backward that retains the graph, only the host copy is left (the next backward reloads)."""
+    reloads = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, w):
+            ctx.save_for_backward(t)
+            return t * w
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors
+            reloads.append(StorageWeakRef(t.untyped_storage()))
+            return None, (g * t).sum()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    with ckpt_offload.offload_activations(min_bytes=0):
+        base = x * 1
+        loss = Saves.apply(base, w).sum()
+        dropped = base[:8] * x[:8]  # saves a view of base: it shares base's host copy
+    assert ckpt_offload.stats()["tensors_offloaded"] == 2 and ckpt_offload.stats()["shared_views"] == 1
+    del dropped, base
+    gc.collect()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(w.grad, x.detach().sum())
+    assert len(reloads) == 1
+    gc.collect()
+    assert reloads[0].expired(), "the reload is still held for a view whose graph died"
+    loss.backward()
+    assert len(reloads) == 2
+    del loss
+    gc.collect()
+    assert in_use() == 0
 
 
 def _objects_grown(run, warm, n):
