@@ -18,10 +18,10 @@ import json
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import planner as _planner
+from .testing import LiveBytes
 from .model import disable_checkpointing, enable_block_modes, find_repeated_blocks
 from .training import training_mode
 
@@ -38,7 +38,7 @@ def _nbytes(t):
     return t.untyped_storage().nbytes()
 
 
-class _Live(TorchDispatchMode):
+class _Live(LiveBytes):
     """LiveBytes for any device (meta included): after every op, the storages of its outputs join
     the live set until they are freed; `peak` is the most bytes live at once. Storages are keyed by
     their implementation, which meta storages (no data pointer) have too. Also counts the FLOPs of
@@ -46,35 +46,13 @@ class _Live(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
         from torch.utils.flop_counter import flop_registry
 
-        self._ref = StorageWeakRef
         self._flops = flop_registry
-        self._live = {}  # storage key -> (weak reference, bytes)
-        self.now = 0
-        self.peak = 0
         self.flops = 0
 
-    def _drop_dead(self):
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
-        for k in dead:
-            self.now -= self._live.pop(k)[1]
-
-    def add(self, tensors):
-        self._drop_dead()
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter):
-                s = t.untyped_storage()
-                key = s._cdata
-                if key not in self._live:
-                    self._live[key] = (self._ref(s), s.nbytes())
-                    self.now += s.nbytes()
-        self.peak = max(self.peak, self.now)
-
-    def current(self):
-        self._drop_dead()
-        return self.now
+    def _key(self, t):
+        return t.untyped_storage()._cdata
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -20,13 +20,21 @@ class LiveBytes(TorchDispatchMode):
         for ptr in [p for p, (ref, _) in self._live.items() if ref.expired()]:
             self.now -= self._live.pop(ptr)[1]
 
+    def _key(self, t):
+        """The key a tensor's storage is counted under, or None where it is not counted: CPU
+        storages, by address."""
+        if t.device.type != "cpu":
+            return None
+        return t.untyped_storage().data_ptr() or None
+
     def add(self, tensors):
         self._drop_dead()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter):
-                s = t.untyped_storage()
-                if s.data_ptr() and s.data_ptr() not in self._live:
-                    self._live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+            if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter):
+                key = self._key(t)
+                if key is not None and key not in self._live:
+                    s = t.untyped_storage()
+                    self._live[key] = (StorageWeakRef(s), s.nbytes())
                     self.now += s.nbytes()
         self.peak = max(self.peak, self.now)
 

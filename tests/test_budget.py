@@ -12,6 +12,7 @@ import torch
 import ckpt_offload
 from ckpt_offload import budget, hostmem
 from ckpt_offload.testing import LiveBytes
+from test_planner import measured_peak  # a steady-state step's peak, as the planner counts it
 from tiny_gpt import grads, loss_of, make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("test_cpu")
@@ -140,17 +141,6 @@ def test_past_the_host_budget_tensors_stay_on_the_device(monkeypatch, node, rese
     assert any("refused" in str(w.message) for w in caught)
     got = grads(model)
     assert all(torch.equal(got[k], want[k]) for k in want)
-
-
-def measured_peak(model, ids):
-    """Peak live bytes of a steady-state step (gradients kept from the step before), as the planner counts it."""
-    loss_of(model, ids).backward()
-    model.zero_grad(set_to_none=False)
-    ckpt_offload.synchronize()
-    with LiveBytes() as live:
-        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids])
-        loss_of(model, ids).backward()
-    return live.peak
 
 
 def test_plan_memory_auto_fits_the_stand_in_device(monkeypatch, node, reset, caplog):
