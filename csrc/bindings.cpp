@@ -92,6 +92,7 @@ py::dict spill_stats_dict(const std::shared_ptr<SpillTier>& tier) {
   d["max_bytes"] = s.max_bytes;
   d["io_mode"] = tier ? py::object(py::str(s.direct ? "direct" : "buffered")) : py::object(py::none());
   d["failed"] = s.failed;
+  d["workers_busy"] = s.workers_busy;
   return d;
 }
 
@@ -335,6 +336,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("op"), py::arg("nth") = 1, py::arg("errno") = ENOSPC,
           "Testing aid: the nth next write (or read) of the disk tier fails with this errno (nth=0 clears)")
+      .def(
+          "set_spill_worker_linger",
+          [](HostPool& p, double seconds) {
+            TORCH_CHECK_VALUE(seconds >= 0 && seconds <= 60, "set_spill_worker_linger: seconds must be between 0 and 60, got ",
+                              seconds);
+            auto tier = p.spill();
+            TORCH_CHECK(tier, "set_spill_worker_linger: the pool has no disk tier (call set_spill_dir first)");
+            tier->set_worker_linger(static_cast<int64_t>(seconds * 1e6));
+          },
+          py::arg("seconds"),
+          "Testing aid: each disk worker waits this long after a job before it returns to the queue")
       .def(
           "inject_alloc_failures",
           [](HostPool& p, int64_t n) {

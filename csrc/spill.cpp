@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <thread>
 #include <random>
 
 namespace ckpt_offload {
@@ -50,6 +52,18 @@ struct ExitList {
   std::mutex mu;
   std::map<DirHandle*, std::shared_ptr<DirHandle>> dirs;
 };
+
+// Live tiers, for fork(): brought to rest before it and released after it in both processes.
+struct ForkList {
+  std::mutex mu;  // held across fork(): before any tier's lock
+  std::vector<std::weak_ptr<SpillTier>> tiers;
+  std::vector<std::shared_ptr<SpillTier>> held;  // the tiers at rest during a fork()
+};
+
+ForkList& fork_list() {
+  static auto* list = new ForkList();  // leaked: the fork handlers outlive static destruction
+  return *list;
+}
 
 ExitList& exit_list() {
   static auto* list = new ExitList();  // leaked: used by the atexit handler
@@ -313,6 +327,18 @@ std::shared_ptr<SpillTier> SpillTier::create(const std::string& dir, uint64_t ma
   unlinkat(dfd, "probe", 0);
   tier->direct_ = probe_direct(dfd);
   tier->st_.direct = tier->direct_;
+  static const bool fork_handlers = [] {
+    return pthread_atfork(&SpillTier::fork_prepare, &SpillTier::fork_parent, &SpillTier::fork_child) == 0;
+  }();
+  (void)fork_handlers;
+  {
+    ForkList& list = fork_list();
+    std::lock_guard<std::mutex> lock(list.mu);
+    list.tiers.erase(std::remove_if(list.tiers.begin(), list.tiers.end(),
+                                    [](const std::weak_ptr<SpillTier>& w) { return w.expired(); }),
+                     list.tiers.end());
+    list.tiers.push_back(tier);
+  }
   for (int i = 0; i < threads; ++i) std::thread([self = tier] { self->run(); }).detach();
   return tier;
 }
@@ -442,16 +468,61 @@ SpillJobPtr SpillTier::read(std::shared_ptr<SpillFile> file, std::shared_ptr<Hos
 void SpillTier::run() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || !reads_.empty() || !writes_.empty(); });
+    // While a fork() waits, no job is taken (nor does a stopped worker leave): the waiting thread
+    // holds mu_ across it once busy_ is 0.
+    cv_.wait(lock, [this] { return !fork_pending_ && (stop_ || !reads_.empty() || !writes_.empty()); });
     if (reads_.empty() && writes_.empty()) return;  // stopped and drained
     auto& q = reads_.empty() ? writes_ : reads_;
     SpillJobPtr job = std::move(q.front());
     q.pop_front();
+    ++busy_;
+    const int64_t linger = linger_us_;
     lock.unlock();
     execute(*job);
     job.reset();  // drops what the job still holds outside the lock (a block goes back to the pool)
+    if (linger > 0) std::this_thread::sleep_for(std::chrono::microseconds(linger));
     lock.lock();
+    if (--busy_ == 0 && fork_pending_) idle_cv_.notify_all();
   }
+}
+
+void SpillTier::quiesce_for_fork() {
+  std::unique_lock<std::mutex> lock(mu_);
+  fork_pending_ = true;
+  // Bounded, so that a worker stuck in the kernel cannot hang the parent: past it the child may find
+  // a lock held, as it would without this wait.
+  idle_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return busy_ == 0; });
+  lock.release();  // mu_ stays locked across fork()
+}
+
+void SpillTier::resume_after_fork(bool child) {
+  fork_pending_ = false;
+  mu_.unlock();  // locked by this thread, which is the child's only one
+  if (!child) cv_.notify_all();
+}
+
+void SpillTier::fork_prepare() {
+  ForkList& list = fork_list();
+  list.mu.lock();
+  list.held.clear();
+  for (auto& w : list.tiers) {
+    if (auto t = w.lock()) list.held.push_back(std::move(t));
+  }
+  for (auto& t : list.held) t->quiesce_for_fork();
+}
+
+void SpillTier::fork_parent() {
+  ForkList& list = fork_list();
+  for (auto& t : list.held) t->resume_after_fork(false);
+  list.held.clear();
+  list.mu.unlock();
+}
+
+void SpillTier::fork_child() {
+  ForkList& list = fork_list();
+  for (auto& t : list.held) t->resume_after_fork(true);
+  list.held.clear();
+  list.mu.unlock();
 }
 
 void SpillTier::execute(SpillJob& job) {
@@ -623,6 +694,7 @@ SpillStats SpillTier::stats() {
   out.files = usage_->files.load();
   out.disk_bytes = usage_->bytes.load();
   out.failed = failed_.load();
+  out.workers_busy = static_cast<uint64_t>(busy_);
   return out;
 }
 
@@ -653,6 +725,11 @@ void SpillTier::set_test_hooks(std::shared_ptr<DiskObserver> observer, int64_t m
   rng_.seed(seed);
   release_early_ = release_early;
   skip_after_ = skip_after;
+}
+
+void SpillTier::set_worker_linger(int64_t us) {
+  std::lock_guard<std::mutex> lock(mu_);
+  linger_us_ = us;
 }
 
 }  // namespace ckpt_offload

@@ -46,6 +46,7 @@ struct SpillStats {
   uint64_t disk_bytes = 0;       // bytes those files take
   uint64_t peak_disk_bytes = 0;  // the most disk_bytes since creation or reset_stats()
   uint64_t max_bytes = 0;        // 0 = no budget
+  uint64_t workers_busy = 0;     // workers between taking a job and returning to the queue
   bool direct = false;           // O_DIRECT (else buffered I/O)
   bool failed = false;           // a write failed: no further spilling until set_spill_dir again
 };
@@ -185,6 +186,16 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
   // queued) and skip_after (a write does not wait for the copy that fills its block).
   void set_test_hooks(std::shared_ptr<DiskObserver> observer, int64_t max_us, uint64_t seed, bool release_early,
                       bool skip_after);
+  // Testing aid: each worker waits this long after a job before it returns to the queue (a worker
+  // the scheduler set aside at the wrong moment, as on a loaded machine).
+  void set_worker_linger(int64_t us);
+
+  // fork(): every live tier's workers are brought to rest first, so that none holds a lock (the
+  // pool's, a job's, the exit list's) or is halfway through a queue in the child, where it would
+  // never let go. Registered with pthread_atfork by the first create().
+  static void fork_prepare();
+  static void fork_parent();
+  static void fork_child();
 
  private:
   SpillTier(std::string dir, int user_fd, uint64_t max_bytes, int read_ahead, int spill_ahead);
@@ -212,6 +223,12 @@ class SpillTier : public std::enable_shared_from_this<SpillTier> {
   bool stop_ = false;
   std::shared_ptr<SpillDir> dir_;           // under mu_; files hold it too
   std::string dir_error_;                   // why the last attempt to make it failed
+  int busy_ = 0;                            // under mu_: workers outside it with a job
+  bool fork_pending_ = false;               // under mu_: workers take no job while a fork() waits
+  std::condition_variable idle_cv_;         // busy_ fell to 0 while a fork() waits
+  int64_t linger_us_ = 0;                   // under mu_ (set_worker_linger)
+  void quiesce_for_fork();                  // returns with mu_ held
+  void resume_after_fork(bool child);       // releases it
 
   // Statistics (under mu_ unless atomic).
   SpillStats st_;

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt_offload
-from test_disk import LAYERS, ROOT, act_bytes, assert_equal_grads, cap_blocks, disk, expected_grads, offloading_model, step  # noqa: F401
+from test_disk import LAYERS, ROOT, _one_thread, act_bytes, assert_equal_grads, cap_blocks, disk, expected_grads, offloading_model, step  # noqa: F401
 from tiny_gpt import grads, loss_of, make_batch
 
 
@@ -185,6 +185,52 @@ def test_a_forked_child_neither_deletes_its_parents_files_nor_hangs(disk):
     del loss
     disk.settle()
     assert bins(disk.pool.spill_dir) == []
+
+
+@pytest.mark.skipif(ckpt_offload.build_info()["test_path"] == "async-sim",
+                    reason="the simulated runtime's streams are threads, which a forked child does not inherit")
+def test_fork_waits_until_no_disk_worker_is_between_jobs(disk):
+    # A worker that has just finished a job still returns its block to the pool (the pool's lock) and
+    # lets go of the job (the job's lock, maybe the exit list's) before it takes the tier's lock again.
+    # Forked in that moment, the child finds those locks held by a thread it does not have, forever:
+    # the child of the test above hung so on a loaded machine. Here every worker lingers after each
+    # job, as one the scheduler set aside there would, so the moment is open when fork() is called.
+    ids = make_batch()
+    expected = expected_grads(ids)
+    model = offloading_model()
+    cap_blocks(disk.pool, ids, 2)
+    disk.pool.set_spill_dir(disk.root, spill_ahead=0)
+    disk.pool.set_spill_worker_linger(1.0)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model, ids)
+        disk.eng.synchronize()  # the writes are done; their workers linger
+        assert disk.pool.spill_stats()["workers_busy"] >= 1  # the moment is open
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                # The child's copy of the tier: no worker was between jobs when it was made.
+                code = 4 if ckpt_offload.host_pool().spill_stats()["workers_busy"] != 0 else 1
+                loss.backward()
+                if code == 1:
+                    code = 0 if all(torch.equal(grads(model)[k], expected[k]) for k in expected) else 3
+            except BaseException as e:  # noqa: BLE001  (reported through the exit code)
+                os.write(2, f"child: {e!r}\n".encode())
+                code = 2
+            os._exit(code)
+        assert _wait_child(pid) == 0  # 4: forked with a worker between jobs
+        # The parent's workers take jobs again after the fork.
+        disk.pool.set_spill_worker_linger(0)
+        loss.backward()
+        assert_equal_grads(grads(model), expected)
+        del loss
+        disk.settle()
+        assert disk.pool.spill_stats()["workers_busy"] == 0
+        assert bins(disk.pool.spill_dir) == []
+    finally:
+        if disk.pool.spill_stats()["io_mode"] is not None:  # the tier is still there
+            disk.pool.set_spill_worker_linger(0)
 
 
 # -- what goes into a file ------------------------------------------------------------------------
