@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <new>
 #include <thread>
 #include <random>
 
@@ -497,6 +498,14 @@ void SpillTier::quiesce_for_fork() {
 
 void SpillTier::resume_after_fork(bool child) {
   fork_pending_ = false;
+  if (child) {
+    // The child's copies of the condition variables still count the parent's workers as waiters
+    // (a worker left in the older wait group after a notify_one): glibc's next broadcast would wait
+    // for them to leave, and its destroy for them to go, forever. No thread waits on them in the
+    // child, so each starts afresh; the old state is overwritten, never destroyed.
+    new (&cv_) std::condition_variable();
+    new (&idle_cv_) std::condition_variable();
+  }
   mu_.unlock();  // locked by this thread, which is the child's only one
   if (!child) cv_.notify_all();
 }

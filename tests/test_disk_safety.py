@@ -233,6 +233,43 @@ def test_fork_waits_until_no_disk_worker_is_between_jobs(disk):
             disk.pool.set_spill_worker_linger(0)
 
 
+@pytest.mark.skipif(ckpt_offload.build_info()["test_path"] == "async-sim",
+                    reason="the simulated runtime's streams are threads, which a forked child does not inherit")
+@pytest.mark.parametrize("tensors", [2, 3])
+def test_a_forked_child_lets_go_of_the_tier_it_inherited_idle(disk, tensors):
+    # Each spill write wakes one of the two workers (a notify_one). After an odd number of them glibc's
+    # condition variable holds the worker that was not woken in its older wait group and the one that
+    # was, back to waiting, in the newer. The child's copy records both, and its first broadcast (the
+    # tier letting go of its workers in stop()) waited for them to leave, forever: the child of the
+    # test above hung so in the full suite. Both parities here.
+    xs = [torch.randn(1 << 16) for _ in range(tensors)]
+    disk.pool.set_capacity(disk.pool.round_size(xs[0].numel() * 4))  # one tensor's block
+    disk.pool.set_spill_dir(disk.root, spill_ahead=0)
+    time.sleep(0.2)  # both workers are waiting for a job
+    hs = []
+    for x in xs:
+        hs.append(disk.eng.offload(x))
+        disk.eng.synchronize()
+        time.sleep(0.1)  # the worker that wrote is back to waiting
+    spilled = ckpt_offload.stats()["tensors_spilled"]
+    assert spilled >= tensors - 1
+    ours = bins(disk.pool.spill_dir)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ckpt_offload.host_pool().set_spill_dir(None)  # stop(): the broadcast that hung
+            code = 0
+        except BaseException as e:  # noqa: BLE001  (reported through the exit code)
+            os.write(2, f"child: {e!r}\n".encode())
+            code = 2
+        os._exit(code)
+    assert _wait_child(pid, timeout=60) == 0
+    assert bins(disk.pool.spill_dir) == ours  # the parent's files are still there
+    assert all(torch.equal(disk.eng.fetch(h), x) for h, x in zip(hs, xs))  # and read back whole
+    assert ckpt_offload.stats()["tensors_read_back"] == spilled
+
+
 # -- what goes into a file ------------------------------------------------------------------------
 def test_the_padding_of_a_direct_write_holds_no_stale_pool_bytes(disk):
     disk.pool.set_spill_dir(disk.root, spill_ahead=0)
