@@ -1,6 +1,8 @@
 """Process-wide engines and statistics: the thin Python face of ckpt_offload._C."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ._args import check_bool
@@ -18,13 +20,58 @@ def _set_capacity(pool, nbytes) -> None:
     one is set, else stays on the device (one warning; `stats()["tensors_kept_on_device"]`).
     `stats()["host_capacity_bytes"]` shows the cap.
 
+    `"auto"` keeps following the node: at most once a second, when a forward starts, the cap
+    becomes the lesser of the share worked out at this call and what the pool holds plus this
+    rank's share of what the node has available then. Memory that other processes took meanwhile is
+    not pinned; what they give back is offered again. A size in bytes ends that.
+
     Raises:
         ValueError: `"auto"` where the node's available memory cannot be read; a negative size.
     """
     if _budget.is_auto(nbytes):
         nbytes = _budget.host_capacity_auto()
         _budget.log.info("host_pool().set_capacity('auto'): %d bytes (%.3f GiB) for this rank", nbytes, nbytes / 2**30)
+        cap_following_node(pool, nbytes)
+        return
+    global _following
+    if _following is not None and _following[0] is pool:
+        _following = None
     _pool_set_capacity(pool, nbytes)
+
+
+# A cap that follows the node ("auto", or a plan made with budget="auto"): [pool, the cap worked out
+# when it was set, the monotonic time of the last look at the node], or None.
+_following = None
+FOLLOW_INTERVAL_S = 1.0
+
+
+def cap_following_node(pool, nbytes: int) -> None:
+    """Caps `pool` at `nbytes`, this rank's host budget, and lowers the cap from then on whenever
+    the node has less available than the budget assumed (see `set_capacity("auto")`)."""
+    global _following
+    _pool_set_capacity(pool, nbytes)
+    _following = [pool, int(nbytes), time.monotonic()]
+
+
+def follow_node() -> None:
+    """The cap that follows the node, brought up to date if a second has passed since the last look:
+    min(the budget, held + this rank's share of what is available now). Called as forwards start."""
+    f = _following
+    now = time.monotonic()
+    if f is None or now - f[2] < FOLLOW_INTERVAL_S:
+        return
+    f[2] = now
+    share = _budget.host_budget_bytes()
+    if share is None:  # unreadable now: the cap stays as it is
+        return
+    pool, budget_bytes = f[0], f[1]
+    s = pool.stats()
+    cap = max(1, min(budget_bytes, s["reserved_bytes"] + share))
+    if cap != s["capacity_bytes"]:
+        _budget.log.info("host pool cap %d -> %d bytes: the pool holds %d, this rank's share of what the node has "
+                         "available now is %d (budget %d)", s["capacity_bytes"], cap, s["reserved_bytes"], share,
+                         budget_bytes)
+        _pool_set_capacity(pool, cap)
 
 
 # "auto" is worked out here, above the compiled pool, from the node's figures (hostmem).

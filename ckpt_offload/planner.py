@@ -531,8 +531,9 @@ class MemoryPlan:
         """Configures `model` with this plan's modes, through `ckpt_offload.enable_block_modes`.
 
         `ckpt_offload.disable_checkpointing(model)` undoes it. A plan made with `budget="auto"`
-        also caps the host pool at its host budget (`host_pool().set_capacity`), so that what would
-        go past it spills to the disk tier when one is set, else stays on the device.
+        also caps the host pool at its host budget, following the node as `set_capacity("auto")`
+        does, so that what would go past it spills to the disk tier when one is set, else stays on
+        the device.
 
         Args:
             model: the model that was profiled (or one with the same repeated blocks).
@@ -542,7 +543,7 @@ class MemoryPlan:
         """
         modes = enable_block_modes(model, self.modes)
         if self.auto is not None and self.auto.host_bytes is not None:
-            _engine.host_pool().set_capacity(max(self.auto.host_bytes, 1))
+            _engine.cap_following_node(_engine.host_pool(), max(self.auto.host_bytes, 1))
         return modes
 
     def table(self) -> str:

@@ -194,6 +194,8 @@ class OffloadSession:
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
         records of its own forward, never those of another graph still alive."""
+        if _engine._following is not None:  # a host cap that follows the node (set_capacity("auto"))
+            _engine.follow_node()
         self._core.new_forward()
 
     def _is_candidate(self, t) -> bool:
@@ -224,7 +226,7 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward). The
         storages are gathered when that forward first needs them (root_storages)."""
-        self._core.new_forward()
+        self.new_forward()
         self._root = weakref.ref(model)  # weakly: a DataParallel replica runs this hook too, and must go with its step
         self._root_ptrs = None
         self._core.set_root(True)

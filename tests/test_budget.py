@@ -143,6 +143,65 @@ def test_past_the_host_budget_tensors_stay_on_the_device(monkeypatch, node, rese
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_the_auto_cap_follows_what_the_node_has_left(monkeypatch, node, reset, caplog):
+    """set_capacity("auto") is a rule, not one reading: when other processes take the node's memory
+    after the call, the pool pins at most this rank's share of what is left on top of what it holds
+    (the rest of a longer step stays on the device, gradients unchanged); when the memory comes back
+    the budget is offered again; a size in bytes ends the rule."""
+    monkeypatch.setattr(ckpt_offload.engine, "FOLLOW_INTERVAL_S", 0.0)  # look at every forward
+    monkeypatch.setattr(ckpt_offload.session, "_refusal_warned", False)  # the warning is once per process
+    model = make_model(layers=L, hidden=H, heads=4, max_len=2 * S)
+    short, long = make_batch(batch=B, seq=S), make_batch(batch=B, seq=2 * S)
+    ckpt_offload.enable_checkpointing(model, offload=False)
+    want = {}
+    for name, ids in (("short", short), ("long", long)):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, ids).backward()
+        want[name] = grads(model)
+    ckpt_offload.disable_checkpointing(model)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+
+    def step(ids, name):
+        model.zero_grad(set_to_none=True)
+        ckpt_offload.reset_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_of(model, ids).backward()
+        ckpt_offload.synchronize()
+        got = grads(model)
+        assert all(torch.equal(got[k], want[name][k]) for k in want[name])
+        return ckpt_offload.stats(), caught
+
+    ckpt_offload.host_pool().empty_cache()
+    budget_bytes = int(node(1 << 20) * 0.5)  # 1 GiB available, one rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    ckpt_offload.host_pool().set_capacity("auto")
+    s, _ = step(short, "short")
+    assert s["host_capacity_bytes"] == budget_bytes
+    assert s["tensors_offloaded"] >= L and s["tensors_kept_on_device"] == 0
+    held = s["host_reserved_bytes"]
+    assert held > 0
+
+    node(16)  # others took the node: 16 kB left, a share of 8 kB
+    with caplog.at_level(logging.INFO, logger="ckpt_offload"):
+        s, caught = step(long, "long")  # twice the bytes of the short step
+    assert s["host_capacity_bytes"] == held + 8 * 1024
+    assert s["host_reserved_bytes"] <= held + 8 * 1024
+    assert s["tensors_kept_on_device"] >= 1
+    assert any("refused" in str(w.message) for w in caught)
+    assert any(f"host pool cap {budget_bytes} -> {held + 8 * 1024} bytes" in r.getMessage() for r in caplog.records)
+
+    node(1 << 20)  # given back: the budget again, the whole long step on the host
+    s, _ = step(long, "long")
+    assert s["host_capacity_bytes"] == budget_bytes
+    assert s["tensors_kept_on_device"] == 0 and s["tensors_offloaded"] >= L
+
+    ckpt_offload.host_pool().set_capacity(budget_bytes // 2)  # bytes: the rule ends
+    node(16)
+    s, _ = step(long, "long")
+    assert s["host_capacity_bytes"] == budget_bytes // 2
+
+
 def test_plan_memory_auto_fits_the_stand_in_device(monkeypatch, node, reset, caplog):
     node(8 << 20)
     model = make_model(layers=L, hidden=H, heads=4, max_len=S)
