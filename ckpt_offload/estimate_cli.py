@@ -31,6 +31,13 @@ def parse_size(text: str) -> int:
     return value
 
 
+def parse_margin(text: str) -> int:
+    """parse_size, or 0 (plan to the last byte)."""
+    if str(text).strip() == "0":
+        return 0
+    return parse_size(text)
+
+
 def _positive(text):
     try:
         v = int(text)
@@ -58,6 +65,9 @@ def _parser():
                    help="the SDPA backend counted (auto: what torch picks on a GPU), or eager attention")
     p.add_argument("--device-memory", type=parse_size, default=None,
                    help="device memory per rank, e.g. 80GiB (default: this machine's GPU's free memory, if any)")
+    p.add_argument("--margin", type=parse_margin, default=None,
+                   help="device memory per rank left unplanned, for what the estimate does not count (default: "
+                        "the larger of 5%% of the device memory and 1 GiB, as budget='auto' leaves; 0: none)")
     p.add_argument("--host-memory", type=parse_size, default=None,
                    help="host memory of the node, e.g. 2TiB (default: this machine's available memory)")
     p.add_argument("--ranks-per-node", type=_positive, default=None,
@@ -81,9 +91,20 @@ class _Progress:
             print(f"estimate: {msg}", file=sys.stderr, flush=True)
 
 
+class _MarginError(ValueError):
+    pass
+
+
 def _fail(msg) -> int:
     print(f"python -m ckpt_offload estimate: error: {msg}", file=sys.stderr)
     return 2
+
+
+def margin_bytes(device_bytes: int) -> int:
+    """The default --margin: what budget="auto" leaves on a device of this size."""
+    from . import budget
+
+    return max(int(budget.MARGIN_FRACTION * device_bytes), budget.MARGIN_MIN_BYTES)
 
 
 def _hardware(args):
@@ -150,23 +171,30 @@ def run(args, progress=None):
                           optimizer=None if args.optimizer == "none" else args.optimizer, attention=attention)
     device, host, ranks = _hardware(args)
     host_rank = None if host is None else host // ranks
+    margin = usable = None
+    if device is not None:
+        margin = margin_bytes(device) if args.margin is None else args.margin
+        usable = device - margin
+        if usable <= 0:
+            raise _MarginError(f"the margin ({margin} bytes) leaves nothing of the device memory ({device} bytes); "
+                             f"pass a smaller --margin")
     longest = {}
     if device is not None:
         progress("fitting the longest sequences")
-        longest = est.longest_fitting(device, host_rank)
+        longest = est.longest_fitting(usable, host_rank)
     modes = {}
     for m in MODES:
         peak, hb = est.peak_bytes[m], est.host_bytes[m]
         fits = None
         if device is not None:
-            fits = bool(peak <= device and (host is None or hb * ranks <= host))
+            fits = bool(peak <= usable and (host is None or hb * ranks <= host))
         modes[m] = dict(device_peak_bytes=int(peak), host_bytes_per_rank=int(hb), host_bytes_per_node=int(hb * ranks),
                         fits=fits, longest_seq=longest.get(m))
     modes["plan"] = None
     if device is not None:
         progress("searching the per-block plans")
         try:
-            plan = est.plan(device, host_rank)
+            plan = est.plan(usable, host_rank)
             modes["plan"] = dict(device_peak_bytes=plan.predicted_peak_bytes,
                                  host_bytes_per_rank=plan.predicted_host_bytes,
                                  host_bytes_per_node=plan.predicted_host_bytes * ranks, fits=True,
@@ -176,7 +204,8 @@ def run(args, progress=None):
             low = min(MODES, key=lambda m: est.peak_bytes[m])
             modes["plan"] = dict(modes[low], fits=False, blocks=_runs(est.modes[low]))
     return {"model": name, "seq": args.seq, "batch": args.batch, "dtype": str(dtype).replace("torch.", ""),
-            "device_memory_bytes": device, "host_memory_bytes": host, "ranks_per_node": ranks,
+            "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
+            "ranks_per_node": ranks,
             "attention": est.attention, "modes": modes, "parts": est.parts}
 
 
@@ -197,7 +226,9 @@ def _gib(b):
 
 def format_report(r) -> str:
     lines = [f"{r['model']}: batch {r['batch']} x {r['seq']} tokens, {r['dtype']}, attention "
-             f"{'/'.join(r['attention']) or 'eager'}; device {_gib(r['device_memory_bytes'])} GiB, host "
+             f"{'/'.join(r['attention']) or 'eager'}; device {_gib(r['device_memory_bytes'])} GiB"
+             + ("" if r["device_margin_bytes"] is None else f" ({_gib(r['device_margin_bytes'])} GiB of it left unplanned)")
+             + f", host "
              f"{_gib(r['host_memory_bytes'])} GiB per node, {r['ranks_per_node']} ranks per node",
              f"{'mode':<20} {'device GiB':>10} {'host GiB/rank':>13} {'host GiB/node':>13} {'fits':>5} {'longest seq':>12}"]
     for m, row in r["modes"].items():
@@ -236,12 +267,14 @@ def main(argv=None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notes, as peft calls it
             report = run(args, progress)
+    except _MarginError as e:
+        return _fail(f"--margin: {e}")
     except ImportError as e:
         return _fail(f"{e} (the estimate builds the model with transformers; --lora-rank needs peft)")
     except (ValueError, KeyError) as e:
         return _fail(f"--config {args.config!r}: {e}")
     if args.json:
-        out = {k: report[k] for k in ("model", "seq", "batch")}
+        out = {k: report[k] for k in ("model", "seq", "batch", "device_margin_bytes")}
         out["modes"] = {m: (None if row is None else {k: row[k] for k in (
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}

@@ -250,10 +250,11 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
     # A device between the peaks of the modes: some fit, some do not.
     device = (api.peak_bytes["checkpoint"] + api.peak_bytes["none"]) // 2
     r = cli("--config", small_config, "--seq", "512", "--batch", "2", "--device-memory", str(device),
-            "--host-memory", "64GiB", "--ranks-per-node", "8", "--json")
+            "--margin", "0", "--host-memory", "64GiB", "--ranks-per-node", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"model", "seq", "batch", "modes", "parts"}
+    assert set(out) == {"model", "seq", "batch", "device_margin_bytes", "modes", "parts"}
+    assert out["device_margin_bytes"] == 0
     assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2
     assert set(out["modes"]) == {"none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"}
     assert set(out["parts"]) == {"weights_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes",
@@ -291,7 +292,7 @@ def run_main(capsys, *args):
 
 
 def test_cli_table_and_errors(small_config, tmp_path, capsys):
-    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "1GiB",
+    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "4GiB",
                             "--host-memory", "2TiB")
     assert rc == 0, err
     for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"):
@@ -306,6 +307,37 @@ def test_cli_table_and_errors(small_config, tmp_path, capsys):
     not_json.write_text("{nope")
     rc, _, err = run_main(capsys, "--config", str(not_json), "--seq", "8")
     assert rc == 2 and "not a JSON file" in err
+
+
+def test_cli_leaves_the_auto_margin_unplanned_by_default(small_config, capsys):
+    # What the estimate does not count (allocator fragmentation, kernels' workspaces, the CUDA context):
+    # by default max(5% of the device, 1 GiB) is left, as budget="auto" leaves it.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(small_config))
+    ids = torch.empty(1, 256, dtype=torch.long, device="meta")
+    peak = estimate_memory(model, {"input_ids": ids, "labels": ids}).peak_bytes["checkpoint"]
+    gib = 2 ** 30
+
+    def fits(device, *margin):
+        rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", str(device),
+                                "--host-memory", "1TiB", *margin, "--json")
+        assert rc == 0, err
+        out = json.loads(out)
+        return out["device_margin_bytes"], out["modes"]["checkpoint"]["fits"], out["modes"]["plan"]["device_peak_bytes"]
+
+    short = peak + gib - (1 << 20)  # 1 GiB floor: a MiB less than the peak is left to plan with
+    assert fits(short)[:2] == (gib, False)
+    assert fits(short, "--margin", "0")[:2] == (0, True)
+    margin, ok, plan_peak = fits(peak + 3 * gib // 2)
+    assert (margin, ok) == (gib, True) and plan_peak <= peak + gib // 2
+    big = 80 * gib  # past 20 GiB, 5% of the device
+    assert fits(big)[0] == 4 * gib
+    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "512MiB",
+                            "--host-memory", "1TiB")
+    assert rc == 2 and "--margin" in err and "leaves nothing" in err, err
+    rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "2GiB",
+                            "--margin", "1.5GiB", "--host-memory", "1TiB")
+    assert rc == 0 and "(1.50 GiB of it left unplanned)" in out, err
 
 
 def test_cli_without_device_memory_reports_null_fits(small_config, capsys, monkeypatch):
