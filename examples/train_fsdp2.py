@@ -119,8 +119,11 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
     # The ranks of one node share its host memory: each one's pinned budget is its node's share
-    # (LOCAL_WORLD_SIZE ranks), not the job's (WORLD_SIZE). Half of what is available, split.
-    share, available = hostmem.host_share_bytes(0.5), hostmem.memory_available_bytes()
+    # (LOCAL_WORLD_SIZE ranks), not the job's (WORLD_SIZE). Half of what is available, split, is
+    # the pool's cap; past it a tensor stays on the device.
+    available = hostmem.memory_available_bytes()
+    ckpt_offload.host_pool().set_capacity("auto")
+    share = ckpt_offload.stats()["host_capacity_bytes"]
     print(f"rank {rank}: local world size {hostmem.local_world_size()} of world {world}, "
           f"host share {share} bytes of {available} available", flush=True)
 

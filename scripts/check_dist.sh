@@ -4,13 +4,15 @@
 # outside the source tree (pip --target), and from another folder imports it, checks its metadata and
 # build record, and runs a two-layer offloaded step on the CPU test path. Uses ccache when it is there.
 #
-# Environment: VENV (.venv; needs build and wheel, in the test extra), KEEP=1 keeps the work folder.
+# Environment: VENV (.venv, set up by scripts/setup.sh when missing; needs build and wheel, in the test
+# extra), KEEP=1 keeps the work folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PY="$VENV/bin/python"
+[ -x "$PY" ] || VENV="$VENV" bash scripts/setup.sh  # alone in a fresh clone: the venv with build and wheel first
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_offload-dist.XXXXXX")
 [ "${KEEP:-0}" = 1 ] && echo "== work folder: $WORK (kept)" || trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/dist" "$WORK/tmp" "$WORK/site" "$WORK/run"
