@@ -60,3 +60,20 @@ def test_bench_step_estimate_within_3_percent_on_the_cpu(tmp_path):
     peaks = {e["mode"]: e["measured_peak_bytes"] for e in entries}
     assert peaks["none"] > peaks["every2"] > peaks["full"]  # the modes differ: the comparison is not trivial
     assert "estimate_memory against the measured step peak" in p.stdout
+
+
+def test_bench_estimate_times_the_command_and_its_import_floor(tmp_path):
+    # benchmarks/bench_estimate.py: the estimate command and the imports beneath it, in fresh
+    # processes; one short run here checks what it writes (its times are the benchmark's business).
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_estimate.py"), "--runs", "1",
+                        "--seq", "2048", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    r = json.load(open(tmp_path / "bench_estimate.json"))
+    assert r["kind"] == "bench_estimate" and r["config"]["seq"] == 2048
+    assert len(r["seconds"]["imports"]) == len(r["seconds"]["estimate"]) == 1
+    assert 0 < r["seconds"]["imports"][0] and 0 < r["seconds"]["estimate"][0]
+    assert r["met"] == (r["median_seconds"]["estimate"] < 5.0)
+    # The 70B shape was estimated: its bf16 weights and gradients and AdamW's fp32 states alone are
+    # 788 GiB (70.6e9 parameters x 12 bytes), before any activation.
+    assert r["checkpoint_offload_peak_bytes"] > 788 * 2 ** 30
+    assert "target: under 5 s:" in p.stdout
