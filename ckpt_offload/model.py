@@ -209,7 +209,8 @@ def checkpointing_state(model: nn.Module):
     it. A wrapper (peft's PeftModel, torch.compile's OptimizedModule, DataParallel) answers for the model
     inside. A layer that transformers' own checkpointing took over since counts as checkpointed, not
     offloaded; so does a layer whose last run kept an input on the device for its type (a tensor
-    subclass the engine cannot take: not a DTensor)."""
+    subclass the engine cannot take: not a DTensor) or because the host pool refused it (its cap, the
+    node's memory)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"checkpointing_state: model must be a torch.nn.Module, got {type(model).__name__}")
     att = find(model)

@@ -343,7 +343,15 @@ def _storage_ref(t):
 _refusal_warned = False
 
 
-def _warn_refused(eng):
+class Refused:
+    """Noted in an OffloadSession's kept_types when the host pool refused one of its tensors (the
+    cap, the node's memory, a failed host allocation): the block it came from kept it on the device,
+    and checkpointing_state() does not count that block as offloaded while it happens."""
+
+
+def _warn_refused(eng, session=None):
+    if session is not None and session.kept_types is not None:
+        session.kept_types.append(Refused)
     global _refusal_warned
     if not _refusal_warned:
         _refusal_warned = True
@@ -359,7 +367,8 @@ def _warn_refused(eng):
             "ckpt_offload: the host pool refused a block (capacity cap "
             f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
             f"allocations); tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
-            "This warning is shown once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
+            "checkpointing_state() does not count a layer as offloaded while it happens. This warning is shown "
+            "once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
             RuntimeWarning,
             stacklevel=3,
         )

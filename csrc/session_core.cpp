@@ -590,7 +590,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     if (!handle) {
       hold_detached(p);
       g_kept_on_device.fetch_add(1);
-      parts().warn_refused(py::cast(eng));
+      parts().warn_refused(py::cast(eng), owner ? owner() : py::none());  // the session notes it too
       return;  // stays on the device
     }
     auto rec = std::make_shared<Record>();

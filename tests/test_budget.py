@@ -139,6 +139,8 @@ def test_past_the_host_budget_tensors_stay_on_the_device(monkeypatch, node, rese
     assert s["tensors_kept_on_device"] >= L
     assert s["host_reserved_bytes"] <= cap
     assert any("refused" in str(w.message) for w in caught)
+    # No layer offloaded anything: none is reported as offloaded.
+    assert ckpt_offload.checkpointing_state(model) == (list(range(L)), [])
     got = grads(model)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -189,12 +191,15 @@ def test_the_auto_cap_follows_what_the_node_has_left(monkeypatch, node, reset, c
     assert s["host_reserved_bytes"] <= held + 8 * 1024
     assert s["tensors_kept_on_device"] >= 1
     assert any("refused" in str(w.message) for w in caught)
+    checkpointed, offloaded = ckpt_offload.checkpointing_state(model)
+    assert checkpointed == list(range(L)) and len(offloaded) == L - s["tensors_kept_on_device"]
     assert any(f"host pool cap {budget_bytes} -> {held + 8 * 1024} bytes" in r.getMessage() for r in caplog.records)
 
     node(1 << 20)  # given back: the budget again, the whole long step on the host
     s, _ = step(long, "long")
     assert s["host_capacity_bytes"] == budget_bytes
     assert s["tensors_kept_on_device"] == 0 and s["tensors_offloaded"] >= L
+    assert ckpt_offload.checkpointing_state(model) == (list(range(L)), list(range(L)))
 
     ckpt_offload.host_pool().set_capacity(budget_bytes // 2)  # bytes: the rule ends
     node(16)
