@@ -33,9 +33,10 @@ def _set_capacity(pool, nbytes) -> None:
         _budget.log.info("host_pool().set_capacity('auto'): %d bytes (%.3f GiB) for this rank", nbytes, nbytes / 2**30)
         cap_following_node(pool, nbytes)
         return
-    global _following
+    global _following, _forward_hook
     if _following is not None and _following[0] is pool:
         _following = None
+        _forward_hook = None if _guarded else _on_forward
     _pool_set_capacity(pool, nbytes)
 
 
@@ -44,13 +45,60 @@ def _set_capacity(pool, nbytes) -> None:
 _following = None
 FOLLOW_INTERVAL_S = 1.0
 
+# The node guard (HostPool.set_node_guard): the process-wide pool never grows into the last
+# max(NODE_RESERVE_FRACTION of the node's memory, NODE_RESERVE_MIN_BYTES) of what the node has
+# available, cap or no cap. Set on first use (engine_for, host_pool, a forward's start).
+NODE_RESERVE_FRACTION = 0.05
+NODE_RESERVE_MIN_BYTES = 1 << 30
+_guarded = False
+
+
+def guard_node(pool) -> int:
+    """Sets `pool`'s node guard from this node's figures (hostmem): before the pool grows, the
+    node's available memory (`MemAvailable`, or less where a cgroup's limit leaves less), read
+    then, must stay at or above the reserve after the allocation, else the tensor stays on the
+    device or goes to the disk tier, with the refusal warning, and `stats()["host_node_refusals"]`
+    counts it. The process-wide pool is guarded on first use; call this for a pool of your own, or
+    again after the node's cgroup changed.
+
+    Returns:
+        int: the reserve in bytes: the larger of 5% of the node's memory (its cgroup's limit where
+            lower) and 1 GiB; 0 where nothing can be read (the guard is then off).
+    """
+    from . import hostmem
+
+    meminfo, cgroups = hostmem.available_sources()
+    total = [v for v in (hostmem.memory_total_bytes(), *(limit for limit, _ in cgroups)) if v is not None]
+    if not total:
+        pool.set_node_guard("", [], 0)
+        return 0
+    reserve = max(int(NODE_RESERVE_FRACTION * min(total)), NODE_RESERVE_MIN_BYTES)
+    pool.set_node_guard(meminfo if hostmem.memory_total_bytes() is not None else "", cgroups, reserve)
+    return reserve
+
+
+def _on_forward() -> None:
+    """What a forward's start does besides its own work (session.new_forward): the node guard once,
+    the cap that follows the node while one does. None once there is nothing to do."""
+    global _guarded, _forward_hook
+    if not _guarded:
+        _guarded = True
+        guard_node(_C.global_pool())
+    if _following is not None:
+        follow_node()
+    _forward_hook = _on_forward if _following is not None else None
+
+
+_forward_hook = _on_forward
+
 
 def cap_following_node(pool, nbytes: int) -> None:
     """Caps `pool` at `nbytes`, this rank's host budget, and lowers the cap from then on whenever
     the node has less available than the budget assumed (see `set_capacity("auto")`)."""
-    global _following
+    global _following, _forward_hook
     _pool_set_capacity(pool, nbytes)
     _following = [pool, int(nbytes), time.monotonic()]
+    _forward_hook = _on_forward
 
 
 def follow_node() -> None:
@@ -96,6 +144,8 @@ def engine_for(device) -> "_C.CopyEngine":
     Returns:
         CopyEngine: the engine of that device (the same object on every call).
     """
+    if not _guarded:
+        _on_forward()
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -113,6 +163,8 @@ def host_pool() -> "_C.HostPool":
     Returns:
         HostPool: the pool (the same object on every call).
     """
+    if not _guarded:
+        _on_forward()
     return _C.global_pool()
 
 
@@ -140,7 +192,7 @@ _ENGINE_KEYS = (
 
 # The pool's figures that stats() reports, each as host_<name> (and peak_in_use_bytes as host_peak_bytes).
 _POOL_KEYS = ("pinned", "reserved_bytes", "in_use_bytes", "alloc_calls", "allocated_bytes", "free_calls", "hits",
-              "misses", "cap_refusals", "alloc_failures", "capacity_bytes")
+              "misses", "cap_refusals", "alloc_failures", "node_refusals", "capacity_bytes")
 
 
 # The disk tier's figures (host_pool().set_spill_dir) that stats() reports, under the names on the right.

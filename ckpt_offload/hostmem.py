@@ -89,16 +89,26 @@ def cgroup_limit_bytes():
     return min(limits)[0] if limits else None
 
 
-def _cgroup_usage_bytes():
-    """What the cgroup with the tightest limit uses now (v2 `memory.current`, v1
-    `memory.usage_in_bytes`), or None."""
+def available_sources():
+    """Where `memory_available_bytes()` reads: (the meminfo file, [(limit, usage file)] of every
+    cgroup of this process with a limit below the machine's memory). The host pool's node guard
+    reads the same files itself, each time the pool grows."""
     total = memory_total_bytes()
-    best = None
+    cgroups = []
     for version, folder in _cgroup_dirs():
         limit = _read_int(os.path.join(folder, "memory.max" if version == 2 else "memory.limit_in_bytes"))
         if limit is None or (total is not None and limit >= total):
             continue
-        used = _read_int(os.path.join(folder, "memory.current" if version == 2 else "memory.usage_in_bytes"))
+        cgroups.append((limit, os.path.join(folder, "memory.current" if version == 2 else "memory.usage_in_bytes")))
+    return _MEMINFO, cgroups
+
+
+def _cgroup_usage_bytes():
+    """What the cgroup with the least room left has left (its limit less v2 `memory.current`, v1
+    `memory.usage_in_bytes`), or None."""
+    best = None
+    for limit, usage in available_sources()[1]:
+        used = _read_int(usage)
         if used is not None and (best is None or limit - used < best):
             best = limit - used
     return best

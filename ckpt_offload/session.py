@@ -194,8 +194,8 @@ class OffloadSession:
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
         records of its own forward, never those of another graph still alive."""
-        if _engine._following is not None:  # a host cap that follows the node (set_capacity("auto"))
-            _engine.follow_node()
+        if _engine._forward_hook is not None:  # the node guard, once; a host cap that follows the node
+            _engine._forward_hook()
         self._core.new_forward()
 
     def _is_candidate(self, t) -> bool:
@@ -366,7 +366,8 @@ def _warn_refused(eng, session=None):
         warnings.warn(
             "ckpt_offload: the host pool refused a block (capacity cap "
             f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
-            f"allocations); tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
+            f"allocations, {s['node_refusals']} refused for the node's memory, {eng.pool.node_available()} bytes "
+            f"available); tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
             "checkpointing_state() does not count a layer as offloaded while it happens. This warning is shown "
             "once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
             RuntimeWarning,

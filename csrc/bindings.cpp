@@ -43,6 +43,7 @@ py::dict pool_stats_dict(const PoolStats& s) {
   d["misses"] = s.misses;
   d["cap_refusals"] = s.cap_refusals;
   d["alloc_failures"] = s.alloc_failures;
+  d["node_refusals"] = s.node_refusals;
   d["capacity_bytes"] = s.capacity_bytes;
   d["pinned"] = s.pinned;
   return d;
@@ -261,6 +262,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("sizes"),
           "The same for a list of request sizes held at once (ckpt_offload.reserve_for passes one step's)")
+      .def("set_node_guard", &HostPool::set_node_guard, py::arg("meminfo"), py::arg("cgroups"), py::arg("reserve"),
+           release_gil(),
+           "Refuse to grow past what the node has left (see ckpt_offload.engine.guard_node, which sets it "
+           "from hostmem's files): meminfo's MemAvailable and each (limit, usage file) cgroup's limit less its "
+           "usage must stay at or above reserve bytes after an allocation. An empty meminfo and no cgroup: off.")
+      .def("node_available", &HostPool::node_available, release_gil(),
+           "What the node guard reads as available now, in bytes; -1 when it is off or reads nothing.")
       .def("empty_cache", &HostPool::empty_cache, release_gil())
       .def(
           "set_capacity",

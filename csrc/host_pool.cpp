@@ -4,6 +4,9 @@
 
 #include "spill.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -281,6 +284,10 @@ std::shared_ptr<HostBlock> HostPool::acquire(size_t nbytes, bool wait_host, bool
           return nullptr;
         }
       }
+      if (!over_cap && !node_has_room(cls)) {
+        st_.node_refusals += 1;
+        return nullptr;
+      }
       st_.misses += 1;
       void* ptr = allocate_unlocked(lock, cls);
       if (ptr == nullptr) {
@@ -325,6 +332,68 @@ void HostPool::set_spill(std::shared_ptr<SpillTier> tier) {
   }
   // Stopped outside the lock: its workers finish their jobs first, which return blocks here.
   if (old) old->stop();
+}
+
+namespace {
+// The whole of a small file (/proc/meminfo, a cgroup's usage), with plain system calls: this runs
+// under the pool's lock before it grows, and must not allocate much or block long.
+bool read_small_file(const std::string& path, std::string& out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  out.clear();
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return n == 0;
+}
+
+bool parse_u64(const char* p, uint64_t& v) {
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p < '0' || *p > '9') return false;
+  char* end = nullptr;
+  v = std::strtoull(p, &end, 10);
+  return end != p;
+}
+}  // namespace
+
+void HostPool::set_node_guard(std::string meminfo, std::vector<std::pair<uint64_t, std::string>> cgroups,
+                              uint64_t reserve) {
+  std::lock_guard<std::mutex> lock(mu_);
+  guard_on_ = !meminfo.empty() || !cgroups.empty();
+  guard_meminfo_ = std::move(meminfo);
+  guard_cgroups_ = std::move(cgroups);
+  guard_reserve_ = reserve;
+}
+
+int64_t HostPool::node_available() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return node_available_locked();
+}
+
+int64_t HostPool::node_available_locked() {
+  if (!guard_on_) return -1;
+  int64_t least = -1;
+  auto take = [&least](int64_t v) { least = least < 0 ? v : std::min(least, v); };
+  std::string text;
+  if (!guard_meminfo_.empty() && read_small_file(guard_meminfo_, text)) {
+    const size_t at = text.find("MemAvailable:");
+    uint64_t kb = 0;
+    if (at != std::string::npos && parse_u64(text.c_str() + at + 13, kb)) take(static_cast<int64_t>(kb * 1024));
+  }
+  for (const auto& [limit, usage_file] : guard_cgroups_) {
+    uint64_t used = 0;
+    if (read_small_file(usage_file, text) && parse_u64(text.c_str(), used)) {
+      take(used >= limit ? 0 : static_cast<int64_t>(limit - used));
+    }
+  }
+  return least;
+}
+
+bool HostPool::node_has_room(size_t bytes) {
+  if (!guard_on_) return true;
+  const int64_t available = node_available_locked();
+  return available < 0 || static_cast<uint64_t>(available) >= bytes + guard_reserve_;
 }
 
 void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls) {
@@ -396,6 +465,13 @@ void HostPool::reserve(const std::vector<size_t>& sizes) {
     }
   }
   for (size_t cls : missing) {
+    if (!node_has_room(cls)) {
+      const int64_t available = node_available_locked();
+      put_back();
+      throw std::runtime_error("ckpt_offload: HostPool.reserve: the node has " + std::to_string(available) +
+                               " bytes available; pinning " + std::to_string(cls) + " more would leave less than " +
+                               std::to_string(guard_reserve_) + " (the node guard, set_node_guard)");
+    }
     void* ptr = allocate_unlocked(lock, cls);
     if (ptr == nullptr) {
       put_back();
@@ -453,7 +529,7 @@ PoolStats HostPool::stats() {
 void HostPool::reset_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   st_.alloc_calls = st_.allocated_bytes = st_.free_calls = 0;
-  st_.hits = st_.misses = st_.cap_refusals = st_.alloc_failures = 0;
+  st_.hits = st_.misses = st_.cap_refusals = st_.alloc_failures = st_.node_refusals = 0;
   st_.peak_in_use_bytes = st_.in_use_bytes;
 }
 

@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_util.h"
@@ -33,6 +35,7 @@ struct PoolStats {
   uint64_t misses = 0;             // acquires that needed a new allocation
   uint64_t cap_refusals = 0;       // acquires refused because of the capacity cap
   uint64_t alloc_failures = 0;     // allocations the system refused (or injected failures)
+  uint64_t node_refusals = 0;      // acquires refused because the node had too little memory left
   uint64_t capacity_bytes = 0;     // 0 = no cap
   bool pinned = false;
 };
@@ -129,6 +132,15 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   size_t empty_cache();
   // 0 removes the cap. Lowering it below what is reserved frees free blocks first.
   void set_capacity(size_t bytes);
+  // Before the pool grows (acquire, reserve), what the node has available must stay at or above
+  // `reserve` bytes after the allocation, else acquire refuses (node_refusals) and reserve throws:
+  // MemAvailable from `meminfo`, and for each (limit, usage file) of `cgroups` the limit less the
+  // usage, the least of them. Read at each growth, never cached; a figure that cannot be read does
+  // not refuse. An empty meminfo and no cgroup turn the guard off. Reads back past the cap
+  // (over_cap) are not refused: backward needs them.
+  void set_node_guard(std::string meminfo, std::vector<std::pair<uint64_t, std::string>> cgroups, uint64_t reserve);
+  // What the guard reads as available now (the least of its figures), or -1 when it is off or reads nothing.
+  int64_t node_available();
   PoolStats stats();
   void reset_stats();  // counters to zero, peak to the bytes in use now
   bool pinned() const { return pinned_; }
@@ -165,6 +177,12 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
 
   const bool pinned_;
   std::mutex mu_;
+  std::string guard_meminfo_;                                  // under mu_, as the three below
+  std::vector<std::pair<uint64_t, std::string>> guard_cgroups_;
+  uint64_t guard_reserve_ = 0;
+  bool guard_on_ = false;
+  bool node_has_room(size_t bytes);  // caller holds mu_
+  int64_t node_available_locked();
   FreeMap free_;
   PoolStats st_;
   uint64_t high_water_ = 0;   // H; not reset by reset_stats(): the bound's reference

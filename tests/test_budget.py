@@ -207,6 +207,63 @@ def test_the_auto_cap_follows_what_the_node_has_left(monkeypatch, node, reset, c
     assert s["host_capacity_bytes"] == budget_bytes // 2
 
 
+def test_the_pool_never_grows_into_the_nodes_last_memory(monkeypatch, node, reset):
+    """With no cap at all, the process-wide pool refuses to grow when what the node has available,
+    read at that moment, would fall below the reserve (5% of the node's memory, at least 1 GiB): the
+    tensor stays on the device with the refusal warning, gradients unchanged, no layer reported as
+    offloaded; once the memory is back the pool grows again. reserve() says why it cannot pin."""
+    pool = ckpt_offload.host_pool()
+    monkeypatch.setattr(ckpt_offload.session, "_refusal_warned", False)
+    model = make_model(layers=L, hidden=H, heads=4, max_len=S)
+    ids = make_batch(batch=B, seq=S)  # each block's input: 2 x 64 x 32 float32, 16 kB
+    ckpt_offload.enable_checkpointing(model, offload=False)
+    loss_of(model, ids).backward()
+    want = grads(model)
+    ckpt_offload.disable_checkpointing(model)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        pool.empty_cache()  # every block is a new allocation, checked against the node
+        ckpt_offload.reset_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_of(model, ids).backward()
+        ckpt_offload.synchronize()
+        got = grads(model)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        return ckpt_offload.stats(), caught
+
+    try:
+        node(2 << 20, total_kb=16 << 20)  # 2 GiB available of 16 GiB
+        pool.set_capacity(0)
+        assert ckpt_offload.engine.guard_node(pool) == 1 << 30  # 5% of 16 GiB is less than 1 GiB
+        assert pool.node_available() == 2 << 30
+        s, _ = step()
+        assert s["host_capacity_bytes"] == 0
+        assert s["tensors_offloaded"] >= L and s["tensors_kept_on_device"] == 0 and s["host_node_refusals"] == 0
+
+        node((1 << 20) + 8, total_kb=16 << 20)  # 8 kB above the reserve: no 16 kB block fits
+        s, caught = step()
+        assert s["tensors_offloaded"] == 0 and s["tensors_kept_on_device"] >= L
+        assert s["host_node_refusals"] >= L and s["host_reserved_bytes"] == 0
+        assert any("refused for the node's memory" in str(w.message) for w in caught)
+        assert ckpt_offload.checkpointing_state(model) == (list(range(L)), [])
+        own = ckpt_offload.HostPool(pinned=False)
+        ckpt_offload.engine.guard_node(own)
+        with pytest.raises(RuntimeError, match=r"the node has \d+ bytes available; pinning 16384 more would leave "
+                                               r"less than 1073741824"):
+            own.reserve([16384])
+
+        node(2 << 20, total_kb=16 << 20)  # given back
+        s, _ = step()
+        assert s["tensors_kept_on_device"] == 0 and s["host_node_refusals"] == 0
+        assert ckpt_offload.checkpointing_state(model) == (list(range(L)), list(range(L)))
+    finally:
+        monkeypatch.undo()
+        ckpt_offload.engine.guard_node(pool)  # this machine's node again
+
+
 def test_plan_memory_auto_fits_the_stand_in_device(monkeypatch, node, reset, caplog):
     node(8 << 20)
     model = make_model(layers=L, hidden=H, heads=4, max_len=S)
