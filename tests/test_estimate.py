@@ -373,3 +373,28 @@ def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeyp
     monkeypatch.setattr(estimate, "_representatives", lambda blocks: (list(range(len(blocks))), list(range(len(blocks)))))
     every = estimate_memory(model, {"input_ids": ids, "labels": ids})
     assert few.peak_bytes == every.peak_bytes and few.host_bytes == every.host_bytes and few.parts == every.parts
+
+
+def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    # docs/estimate.md shows the command's transcripts for its Llama-3-8B-shaped config: each one is
+    # run here as written (in this process), and its output must be the page's, figure for figure.
+    from test_docs import fences
+
+    from ckpt_offload.estimate_cli import main
+
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "estimate.md")).read()
+    blocks = fences(page[page.index("## Worked example"):])
+    config = next(body for info, body in blocks if info == "json")
+    (tmp_path / "config.json").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    runs = []
+    for info, body in blocks:
+        if info != "text" or not body.startswith("$ python -m ckpt_offload estimate"):
+            continue
+        for chunk in body.strip().split("\n\n"):
+            command, _, shown = chunk.partition("\n")
+            runs.append((command[len("$ python -m ckpt_offload estimate "):].split(), shown.strip()))
+    assert len(runs) == 4  # full fine-tuning at 8k; LoRA at 8k, 32k and 128k
+    for argv, shown in runs:
+        assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == shown, " ".join(argv)
