@@ -340,6 +340,39 @@ def test_cli_leaves_the_auto_margin_unplanned_by_default(small_config, capsys):
     assert rc == 0 and "(1.50 GiB of it left unplanned)" in out, err
 
 
+def test_cli_dtype_optimizer_and_lora_flags_change_the_parts_they_name(small_config, capsys):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(small_config))
+    n = sum(p.numel() for p in model.parameters())
+
+    def parts(*flags):
+        rc, out, err = run_main(capsys, "--config", small_config, "--seq", "64", "--device-memory", "4GiB",
+                                "--host-memory", "1TiB", "--json", *flags)
+        assert rc == 0, err
+        return json.loads(out)["parts"]
+
+    fp32 = parts("--dtype", "fp32")
+    assert fp32["weights_bytes"] == 4 * n and fp32["grads_bytes"] == 4 * n
+    assert fp32["optimizer_bytes"] == 8 * n  # AdamW: two fp32 states per trainable element
+    assert parts("--dtype", "bf16")["weights_bytes"] == 2 * n
+    assert parts("--dtype", "fp32", "--optimizer", "sgd")["optimizer_bytes"] == 4 * n
+    assert parts("--dtype", "fp32", "--optimizer", "none")["optimizer_bytes"] == 0
+    lora = parts("--dtype", "fp32", "--lora-rank", "4")
+    assert 0 < lora["grads_bytes"] < fp32["grads_bytes"] // 10  # only the adapters train
+    assert lora["weights_bytes"] > fp32["weights_bytes"]  # the adapters' weights come on top
+
+
+def test_to_json_carries_the_figures(small_config):
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(small_config))
+    ids = torch.empty(2, 128, dtype=torch.long, device="meta")
+    est = estimate_memory(model, {"input_ids": ids, "labels": ids})
+    out = json.loads(est.to_json())
+    assert (out["seq"], out["batch"]) == (128, 2)
+    assert out["peak_bytes"] == est.peak_bytes and out["host_bytes"] == est.host_bytes and out["parts"] == est.parts
+    assert out["attention"] == est.attention
+
+
 def test_cli_without_device_memory_reports_null_fits(small_config, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU to read the free memory of
     rc, out, err = run_main(capsys, "--config", small_config, "--seq", "64", "--json", "--host-memory", "1TiB")
