@@ -356,6 +356,24 @@ def test_trainer_callback_auto_stays_under_the_stand_in(tmp_path, monkeypatch, n
     assert all(h["loss"] == h["loss"] for h in trainer.state.log_history if "loss" in h)
 
 
+def test_callback_auto_plans_for_the_longest_batch_it_can_know(monkeypatch):
+    # OffloadCallback(budget="auto") plans at the longest length of the run: its own max_length, then
+    # the training arguments' max_length (TRL) or max_seq_length (older TRL), then the dataset's rows.
+    pytest.importorskip("transformers", reason="transformers is an optional dependency")
+    from types import SimpleNamespace
+
+    from ckpt_offload.integrations.hf import OffloadCallback
+
+    rows = SimpleNamespace(dataset=[{"input_ids": [1] * n} for n in (5, 17, 9)])
+    assert OffloadCallback(budget="auto", max_length=300)._longest(SimpleNamespace(max_length=200), rows) == 300
+    cb = OffloadCallback(budget="auto")
+    assert cb._longest(SimpleNamespace(max_length=200, max_seq_length=100), rows) == 200
+    assert cb._longest(SimpleNamespace(max_length=None, max_seq_length=100), rows) == 100
+    assert cb._longest(SimpleNamespace(), rows) == 17
+    with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*max_length=N"):
+        cb._longest(SimpleNamespace(), SimpleNamespace(dataset=[{"text": "no ids"}]))
+
+
 def test_callback_refuses_a_budget_in_bytes():
     from ckpt_offload.integrations import hf
 
