@@ -6,6 +6,7 @@ import ast
 import glob
 import os
 import re
+import runpy
 import sys
 
 import pytest
@@ -118,6 +119,11 @@ def test_the_version_is_written_once():
     with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
         first = re.search(r"^## (\S+)", f.read(), flags=re.M).group(1)
     assert first == _version.__version__, "CHANGELOG.md's newest entry is not the package's version"
+    # The docs site reads it too, through its hook.
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        assert re.search(r"^hooks:\n  - scripts/docs_version_hook\.py", f.read(), flags=re.M)
+    hook = runpy.run_path(os.path.join(ROOT, "scripts", "docs_version_hook.py"))
+    assert hook["on_config"]({"site_name": "ckpt_offload"})["site_name"] == f"ckpt_offload {_version.__version__}"
 
 
 def test_license_is_apache_2_in_file_and_metadata():
