@@ -163,6 +163,28 @@ def test_offload_activations_dtensor(mesh, test_cpu):
         assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
 
 
+def test_trl_context_manager_offloads_dtensor_shards(mesh, test_cpu):
+    """TRL's get_act_offloading_ctx_manager as ckpt_offload serves it (trl.install()): the same
+    shards go to the host and come back as DTensors, gradients bitwise."""
+    from ckpt_offload.integrations import trl as trl_route
+
+    ref = _Stack(mesh, layers=2)
+    want = _model_step(mesh, ref)
+    model = _Stack(mesh, layers=2)
+    ckpt_offload.reset_stats()
+    with trl_route._ctx_manager(model, min_offload_size=0, use_streams=False, warn_if_no_head=False):
+        _, x = _shard(mesh, 1)
+        out = model(x)
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 2 * 2 and s["bytes_offloaded"] == 2 * 2 * LOCAL_ROWS * H * 4
+    assert s["subclass_tensors_kept"] == 0
+    out.to_local().square().sum().backward()
+    assert ckpt_offload.stats()["tensors_fetched"] == 2 * 2
+    got = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
+
+
 # -- a subclass the engine cannot take: reported, never counted as offloaded ---------------------------
 def _two(seed):
     from torch.testing._internal.two_tensor import TwoTensor
