@@ -372,6 +372,14 @@ def test_callback_auto_plans_for_the_longest_batch_it_can_know(monkeypatch):
     assert cb._longest(SimpleNamespace(), rows) == 17
     with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*max_length=N"):
         cb._longest(SimpleNamespace(), SimpleNamespace(dataset=[{"text": "no ids"}]))
+    datasets = pytest.importorskip("datasets", reason="datasets comes with trl")
+    ds = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (5, 40, 9, 12)]})
+    assert cb._longest(SimpleNamespace(), SimpleNamespace(dataset=ds)) == 40  # off the Arrow table
+    picked = ds.select([0, 2, 3])  # a selection of the table's rows: only those count
+    assert cb._longest(SimpleNamespace(), SimpleNamespace(dataset=picked)) == 12
+    from ckpt_offload.integrations.hf import _arrow_longest
+
+    assert _arrow_longest(ds) == 40 and _arrow_longest(picked) is None  # the table read whole only when it is the rows
 
 
 def test_callback_refuses_a_budget_in_bytes():

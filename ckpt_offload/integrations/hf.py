@@ -192,6 +192,24 @@ def state(model):
     return checkpointing_state(model)
 
 
+def _arrow_longest(dataset):
+    """The longest `input_ids` row of a datasets.Dataset read off its Arrow table (list lengths, no
+    Python lists made), or None: another dataset, or one whose rows are a selection of its table
+    (select, shuffle, filter), which is read row by row instead."""
+    table = getattr(dataset, "data", None)
+    if getattr(dataset, "_indices", None) is not None or not hasattr(table, "column"):
+        return None
+    if "input_ids" not in (getattr(dataset, "column_names", None) or ()):
+        return None
+    try:
+        import pyarrow.compute as pc
+
+        n = pc.max(pc.list_value_length(table.column("input_ids"))).as_py()
+    except (ImportError, TypeError, ValueError, KeyError, NotImplementedError, AttributeError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
 class OffloadCallback(TrainerCallback):
     """Makes a Trainer run use the async engine.
 
@@ -229,6 +247,9 @@ class OffloadCallback(TrainerCallback):
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
         dataset = getattr(train_dataloader, "dataset", None)
+        n = _arrow_longest(dataset)
+        if n:
+            return n
         try:
             # A datasets.Dataset hands its column over at once; a map-style dataset is read row by row.
             column = dataset["input_ids"] if hasattr(dataset, "column_names") else None
