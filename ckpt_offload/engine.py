@@ -68,7 +68,7 @@ def guard_node(pool) -> int:
     from . import hostmem
 
     meminfo, cgroups = hostmem.available_sources()
-    total = [v for v in (hostmem.memory_total_bytes(), *(limit for limit, _ in cgroups)) if v is not None]
+    total = [v for v in (hostmem.memory_total_bytes(), *(c[0] for c in cgroups)) if v is not None]
     if not total:
         pool.set_node_guard("", [], 0)
         return 0

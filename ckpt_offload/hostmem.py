@@ -89,34 +89,59 @@ def cgroup_limit_bytes():
     return min(limits)[0] if limits else None
 
 
+# Per cgroup version: its usage file, and the key in its memory.stat of the page cache the kernel
+# drops first (inactive file pages), which counts as usage there but not as memory taken.
+_USAGE = {2: ("memory.current", "inactive_file"), 1: ("memory.usage_in_bytes", "total_inactive_file")}
+
+
 def available_sources():
-    """Where `memory_available_bytes()` reads: (the meminfo file, [(limit, usage file)] of every
-    cgroup of this process with a limit below the machine's memory). The host pool's node guard
-    reads the same files itself, each time the pool grows."""
+    """Where `memory_available_bytes()` reads: (the meminfo file, [(limit, usage file, memory.stat
+    file, the stat's inactive-file key)] of every cgroup of this process with a limit below the
+    machine's memory). The host pool's node guard reads the same files itself, each time the pool
+    grows."""
     total = memory_total_bytes()
     cgroups = []
     for version, folder in _cgroup_dirs():
         limit = _read_int(os.path.join(folder, "memory.max" if version == 2 else "memory.limit_in_bytes"))
         if limit is None or (total is not None and limit >= total):
             continue
-        cgroups.append((limit, os.path.join(folder, "memory.current" if version == 2 else "memory.usage_in_bytes")))
+        usage, key = _USAGE[version]
+        cgroups.append((limit, os.path.join(folder, usage), os.path.join(folder, "memory.stat"), key))
     return _MEMINFO, cgroups
 
 
+def _stat_value(path, key):
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _cgroup_usage_bytes():
-    """What the cgroup with the least room left has left (its limit less v2 `memory.current`, v1
-    `memory.usage_in_bytes`), or None."""
+    """What the cgroup with the least room left has left: its limit less its usage (v2
+    `memory.current`, v1 `memory.usage_in_bytes`), the inactive file pages of its `memory.stat` not
+    counted as used (page cache the kernel drops before it refuses memory, as `docker stats` counts
+    it). None where no cgroup has a limit."""
     best = None
-    for limit, usage in available_sources()[1]:
+    for limit, usage, stat, key in available_sources()[1]:
         used = _read_int(usage)
-        if used is not None and (best is None or limit - used < best):
+        if used is None:
+            continue
+        used -= min(used, _stat_value(stat, key) or 0)
+        if best is None or limit - used < best:
             best = limit - used
     return best
 
 
 def memory_available_bytes():
     """What can still be allocated without swapping or the OOM killer: the kernel's `MemAvailable`,
-    or less where the cgroup's limit leaves less. None where neither can be read."""
+    or less where the cgroup's limit leaves less (its inactive page cache counted as free, as the
+    kernel reclaims it first). None where neither can be read."""
     available = _meminfo("MemAvailable")
     in_cgroup = _cgroup_usage_bytes()
     values = [v for v in (available, in_cgroup) if v is not None]

@@ -355,10 +355,25 @@ bool parse_u64(const char* p, uint64_t& v) {
   v = std::strtoull(p, &end, 10);
   return end != p;
 }
+
+// The value of `key` in a memory.stat ("key value" lines), or 0.
+uint64_t stat_value(const std::string& text, const std::string& key) {
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = text.find('\n', at);
+    const size_t stop = end == std::string::npos ? text.size() : end;
+    if (stop - at > key.size() && text.compare(at, key.size(), key) == 0 && text[at + key.size()] == ' ') {
+      uint64_t v = 0;
+      return parse_u64(text.c_str() + at + key.size(), v) ? v : 0;
+    }
+    at = stop + 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
-void HostPool::set_node_guard(std::string meminfo, std::vector<std::pair<uint64_t, std::string>> cgroups,
-                              uint64_t reserve) {
+void HostPool::set_node_guard(std::string meminfo, std::vector<CgroupFiles> cgroups, uint64_t reserve) {
   std::lock_guard<std::mutex> lock(mu_);
   guard_on_ = !meminfo.empty() || !cgroups.empty();
   guard_meminfo_ = std::move(meminfo);
@@ -381,9 +396,10 @@ int64_t HostPool::node_available_locked() {
     uint64_t kb = 0;
     if (at != std::string::npos && parse_u64(text.c_str() + at + 13, kb)) take(static_cast<int64_t>(kb * 1024));
   }
-  for (const auto& [limit, usage_file] : guard_cgroups_) {
+  for (const auto& [limit, usage_file, stat_file, inactive_key] : guard_cgroups_) {
     uint64_t used = 0;
     if (read_small_file(usage_file, text) && parse_u64(text.c_str(), used)) {
+      if (read_small_file(stat_file, text)) used -= std::min(used, stat_value(text, inactive_key));
       take(used >= limit ? 0 : static_cast<int64_t>(limit - used));
     }
   }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -134,11 +135,14 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   void set_capacity(size_t bytes);
   // Before the pool grows (acquire, reserve), what the node has available must stay at or above
   // `reserve` bytes after the allocation, else acquire refuses (node_refusals) and reserve throws:
-  // MemAvailable from `meminfo`, and for each (limit, usage file) of `cgroups` the limit less the
-  // usage, the least of them. Read at each growth, never cached; a figure that cannot be read does
+  // MemAvailable from `meminfo`, and for each cgroup of `cgroups` its limit less its usage (the
+  // inactive file pages not counted), the least of them. Read at each growth, never cached; a figure that cannot be read does
   // not refuse. An empty meminfo and no cgroup turn the guard off. Reads back past the cap
   // (over_cap) are not refused: backward needs them.
-  void set_node_guard(std::string meminfo, std::vector<std::pair<uint64_t, std::string>> cgroups, uint64_t reserve);
+  // Each cgroup: (limit, usage file, memory.stat file, the stat's key of inactive file pages, which
+  // count as usage but are page cache the kernel drops first).
+  using CgroupFiles = std::tuple<uint64_t, std::string, std::string, std::string>;
+  void set_node_guard(std::string meminfo, std::vector<CgroupFiles> cgroups, uint64_t reserve);
   // What the guard reads as available now (the least of its figures), or -1 when it is off or reads nothing.
   int64_t node_available();
   PoolStats stats();
@@ -178,7 +182,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   const bool pinned_;
   std::mutex mu_;
   std::string guard_meminfo_;                                  // under mu_, as the three below
-  std::vector<std::pair<uint64_t, std::string>> guard_cgroups_;
+  std::vector<CgroupFiles> guard_cgroups_;
   uint64_t guard_reserve_ = 0;
   bool guard_on_ = false;
   bool node_has_room(size_t bytes);  // caller holds mu_

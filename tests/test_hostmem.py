@@ -129,6 +129,39 @@ def test_usage_above_the_limit_leaves_zero(fake):
     assert hostmem.host_share_bytes() == 0
 
 
+def test_a_cgroups_inactive_page_cache_counts_as_free(fake):
+    # Page cache counts in a cgroup's usage, but the kernel drops its inactive file pages before it
+    # refuses memory: a job that read its dataset is not out of memory for that.
+    fake.member_of("0::/job\n")
+    fake.cgroup_file("job/memory.max", 16 * GiB)
+    fake.cgroup_file("job/memory.current", 15 * GiB)
+    fake.cgroup_file("job/memory.stat", f"anon {4 * GiB}\nfile {11 * GiB}\nactive_file {GiB}\ninactive_file {10 * GiB}")
+    assert hostmem.memory_available_bytes() == 11 * GiB  # 16 - (15 - 10)
+    fake.member_of("5:memory:/docker/abc\n")  # v1: the hierarchy's total_ figure
+    fake.cgroup_file("memory/docker/abc/memory.limit_in_bytes", 20 * GiB)
+    fake.cgroup_file("memory/docker/abc/memory.usage_in_bytes", 18 * GiB)
+    fake.cgroup_file("memory/docker/abc/memory.stat", f"inactive_file {GiB}\ntotal_inactive_file {6 * GiB}")
+    assert hostmem.memory_available_bytes() == 8 * GiB  # 20 - (18 - 6)
+
+
+def test_the_pools_node_guard_reads_what_hostmem_reads(fake):
+    import ckpt_offload
+
+    pool = ckpt_offload.HostPool(pinned=False)
+    assert pool.node_available() == -1  # a pool of one's own: unguarded until asked
+    assert ckpt_offload.engine.guard_node(pool) == 3435973836  # 5% of 64 GiB
+    assert pool.node_available() == AVAILABLE
+    fake.member_of("0::/job\n")
+    fake.cgroup_file("job/memory.max", 16 * GiB)
+    fake.cgroup_file("job/memory.current", 15 * GiB)
+    fake.cgroup_file("job/memory.stat", f"anon {4 * GiB}\ninactive_file {10 * GiB}\nactive_file {GiB}")
+    assert ckpt_offload.engine.guard_node(pool) == GiB  # 5% of the cgroup's 16 GiB is below the 1 GiB floor
+    assert pool.node_available() == hostmem.memory_available_bytes() == 11 * GiB
+    fake.cgroup_file("job/memory.current", 16 * GiB + 4096)  # read again at each look, never cached
+    fake.cgroup_file("job/memory.stat", "inactive_file 0")
+    assert pool.node_available() == hostmem.memory_available_bytes() == 0
+
+
 def test_local_world_size_from_the_launchers(fake, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "16")  # every node's ranks: never the divisor
     assert hostmem.local_world_size() == 1
