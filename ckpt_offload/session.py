@@ -226,7 +226,9 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward). The
         storages are gathered when that forward first needs them (root_storages)."""
-        self.new_forward()
+        if _engine._forward_hook is not None:  # as new_forward, without its frame: this runs every forward
+            _engine._forward_hook()
+        self._core.new_forward()
         self._root = weakref.ref(model)  # weakly: a DataParallel replica runs this hook too, and must go with its step
         self._root_ptrs = None
         self._core.set_root(True)
