@@ -145,6 +145,21 @@ def test_past_the_host_budget_tensors_stay_on_the_device(monkeypatch, node, rese
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _offloaded_step(model, ids, want, empty_pool=False):
+    """One training step with its warnings recorded, its gradients bitwise `want`: (stats(), warnings)."""
+    model.zero_grad(set_to_none=True)
+    if empty_pool:
+        ckpt_offload.host_pool().empty_cache()
+    ckpt_offload.reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_of(model, ids).backward()
+    ckpt_offload.synchronize()
+    got = grads(model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    return ckpt_offload.stats(), caught
+
+
 def test_the_auto_cap_follows_what_the_node_has_left(monkeypatch, node, reset, caplog):
     """set_capacity("auto") is a rule, not one reading: when other processes take the node's memory
     after the call, the pool pins at most this rank's share of what is left on top of what it holds
@@ -164,15 +179,7 @@ def test_the_auto_cap_follows_what_the_node_has_left(monkeypatch, node, reset, c
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
 
     def step(ids, name):
-        model.zero_grad(set_to_none=True)
-        ckpt_offload.reset_stats()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss_of(model, ids).backward()
-        ckpt_offload.synchronize()
-        got = grads(model)
-        assert all(torch.equal(got[k], want[name][k]) for k in want[name])
-        return ckpt_offload.stats(), caught
+        return _offloaded_step(model, ids, want[name])
 
     ckpt_offload.host_pool().empty_cache()
     budget_bytes = int(node(1 << 20) * 0.5)  # 1 GiB available, one rank
@@ -223,16 +230,7 @@ def test_the_pool_never_grows_into_the_nodes_last_memory(monkeypatch, node, rese
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        pool.empty_cache()  # every block is a new allocation, checked against the node
-        ckpt_offload.reset_stats()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss_of(model, ids).backward()
-        ckpt_offload.synchronize()
-        got = grads(model)
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        return ckpt_offload.stats(), caught
+        return _offloaded_step(model, ids, want, empty_pool=True)  # every block a new allocation, checked
 
     try:
         node(2 << 20, total_kb=16 << 20)  # 2 GiB available of 16 GiB
