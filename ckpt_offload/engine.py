@@ -68,12 +68,13 @@ def guard_node(pool) -> int:
     from . import hostmem
 
     meminfo, cgroups = hostmem.available_sources()
-    total = [v for v in (hostmem.memory_total_bytes(), *(c[0] for c in cgroups)) if v is not None]
+    machine = hostmem.memory_total_bytes()  # None: no readable meminfo, which the guard then skips
+    total = [v for v in (machine, *(c[0] for c in cgroups)) if v is not None]
     if not total:
         pool.set_node_guard("", [], 0)
         return 0
     reserve = max(int(NODE_RESERVE_FRACTION * min(total)), NODE_RESERVE_MIN_BYTES)
-    pool.set_node_guard(meminfo if hostmem.memory_total_bytes() is not None else "", cgroups, reserve)
+    pool.set_node_guard(meminfo if machine is not None else "", cgroups, reserve)
     return reserve
 
 
