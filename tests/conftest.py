@@ -9,6 +9,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import ckpt_offload  # noqa: E402
 
+# The process-wide pool's node guard reads this machine's /proc and cgroup files from its first use
+# on: taken here, before any test points hostmem at a stand-in tree (tests that guard a pool by a
+# stand-in call ckpt_offload.engine.guard_node themselves, and put it back).
+ckpt_offload.host_pool()
+
 HAS_CUDA = ckpt_offload.build_info()["cuda_usable"] and torch.cuda.is_available()
 NO_GPU_REASON = "needs a CUDA GPU and a CUDA build of the extension (none here)"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
