@@ -354,9 +354,17 @@ def test_hf_enable_then_whole_model_compile():
 
     breaks, plain_breaks = seen[-1][0], plain[-1][0]
     ours = {k: v for k, v in breaks.items() if "eager_boundary" in k}
-    # transformers' own breaks (its logger) are there without offload too; offload adds at most
-    # 2 per checkpointed layer and per compile (static, dynamic).
-    assert set(breaks) - set(ours) == set(plain_breaks)
+    # Offload adds at most its own breaks. Every other break is transformers' own: one the plain
+    # compile of its checkpointing has too, or a call into one of its loggers, which dynamo reaches
+    # in the offload run because the boundary replaces transformers' checkpoint call (since 5.25
+    # that call mutates a context variable inside the checkpoint, and the plain run breaks there
+    # first). Which breaks transformers causes changes from release to release, so the test does
+    # not ask for equality with its list.
+    added = {
+        k for k in breaks
+        if k not in ours and k not in plain_breaks and "<Logger transformers." not in k
+    }
+    assert not added, f"breaks offload added beyond its boundary: {added}"
     assert 1 <= sum(ours.values()) <= 2 * 2 * 4
     graphs = [g for _, g, _ in seen]
     assert graphs[0] >= 1 and graphs[0] == graphs[1] == graphs[2] and graphs[3] == graphs[4]
