@@ -5,29 +5,39 @@
 # run again: it runs pip only when that list changed since the last successful install into this
 # venv (a stamp in the venv), and rebuilds only when the sources changed or the build no longer loads.
 #
-# Environment: PYTHON (python3.11 if present, else python3), VENV (.venv), CKPT_OFFLOAD_WITH_CUDA.
+# Every version comes from constraints.txt (pip -c), so that the same commit installs the same set
+# on every machine; scripts/test_latest.sh sets CONSTRAINTS to nothing to try the newest releases.
+#
+# Environment: PYTHON (python3.11 if present, else python3), VENV (.venv), CKPT_OFFLOAD_WITH_CUDA,
+# CONSTRAINTS (constraints.txt; empty: none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: some steps run from /tmp
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+CONSTRAINTS=${CONSTRAINTS-constraints.txt}
+pin=()
+if [ -n "$CONSTRAINTS" ]; then
+  [ -f "$CONSTRAINTS" ] || { echo "setup.sh: no constraints file $CONSTRAINTS" >&2; exit 2; }
+  pin=(-c "$CONSTRAINTS")
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
-# The stamp holds the hash of the requirement list last installed: pip itself takes seconds even
-# when everything is there, and every benchmark and test run starts here.
+# The stamp holds the hash of the requirement list and the constraints last installed: pip itself
+# takes seconds even when everything is there, and every benchmark and test run starts here.
 stamp="$VENV/.ckpt_offload_requirements.sha256"
 reqs="$VENV/.ckpt_offload_dev_requirements.txt"
-"$VENV/bin/python" scripts/dev_requirements.py > "$reqs.new"
+{ "$VENV/bin/python" scripts/dev_requirements.py; [ -z "$CONSTRAINTS" ] || sed 's/^/# pinned: /' "$CONSTRAINTS"; } > "$reqs.new"
 want=$("$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$reqs.new")
 mv "$reqs.new" "$reqs"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  echo "== installing requirements from pyproject.toml (torch is large: the first time takes a few minutes)"
+  echo "== installing requirements from pyproject.toml${CONSTRAINTS:+ at the versions in $CONSTRAINTS} (torch is large: the first time takes a few minutes)"
   rm -f "$stamp"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r "$reqs"
+  "$VENV/bin/python" -m pip install -q --upgrade pip "${pin[@]}"
+  "$VENV/bin/python" -m pip install -q -r "$reqs" "${pin[@]}"
   echo "$want" > "$stamp"
 else
   echo "== requirements in pyproject.toml unchanged since the last install into $VENV: pip skipped (remove $stamp to force it)"
