@@ -22,11 +22,7 @@ LATEST_DIR=${LATEST_DIR:-/tmp/ckpt_offload_latest}
 freeze=0
 if [ "${1:-}" = "--freeze" ]; then freeze=1; shift; fi
 
-mkdir -p "$LATEST_DIR"
-# The tree as it is now, uncommitted work included; the venv and the build there are kept between runs.
-find "$LATEST_DIR" -mindepth 1 -maxdepth 1 ! -name .venv ! -name build ! -name ckpt_offload -exec rm -rf {} +
-find "$LATEST_DIR/ckpt_offload" -mindepth 1 ! -name '_C*.so' ! -name _build_info.py -delete 2>/dev/null || true
-git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$LATEST_DIR"
+bash scripts/copy_tree.sh "$LATEST_DIR"
 cd "$LATEST_DIR"
 echo "== the newest releases in $LATEST_DIR/.venv (pip's cap lifted; torch may take a few GB)"
 rm -f .venv/.ckpt_offload_requirements.sha256  # always ask pip for the newest
