@@ -10,15 +10,13 @@ import torch.autograd.profiler as _autograd_profiler
 import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _tuc
 
+from ._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS
 from ._args import check_bool as _check_bool
+from ._args import check_keywords as _check_keywords
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
 from . import timeline as _timeline
 from .session import OffloadSession
-
-# Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
-_CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-                    "respect_saved_tensors_hooks")
 
 _default_session = None
 # Where the default session's forwards (graphs) begin, learnt from the graph itself: each call
@@ -163,6 +161,13 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     Without a function (and no arguments) it returns a decorator, as torch's does:
     ``@ckpt_offload.checkpoint(preserve_rng_state=False)`` above a function checkpoints each call.
 
+    | argument | default | meaning |
+    |---|---|---|
+    | offload | True | True by default, as at every ckpt_offload entry point; False: torch's checkpoint as it is |
+    | use_reentrant | None | None or False only (non-reentrant) |
+    | session | None | an OffloadSession; None: one shared by every call |
+    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch; without one, any other raises TypeError |
+
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
     those of torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False). Tensors
@@ -218,10 +223,9 @@ def _forward_of(args):
 def _decorator(offload, session, options):
     """checkpoint(**options) without a function: what checkpoint(fn, ...) runs, for fn decorated."""
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
-    unknown = [k for k in options if k not in _CHECKPOINT_KEYS]
-    if unknown:
-        raise ValueError(f"ckpt_offload.checkpoint: without a function it takes only checkpoint options "
-                         f"{list(_CHECKPOINT_KEYS)}, got {unknown}")
+    # Without a function no keyword can be the function's: each must be a checkpoint option.
+    _check_keywords("ckpt_offload.checkpoint (without a function)", options, _CHECKPOINT_KEYS,
+                    own=("offload", "use_reentrant", "session"))
 
     def decorate(function):
         if not callable(function):
