@@ -137,9 +137,9 @@ def test_enable_refuses_double_checkpointing_and_bad_arguments():
     assert marked(model) == [] and hf.state(model) is None
 
 
-def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None):
+def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=None):
     """Losses of a 3-step Trainer run; checkpointing: the TrainingArguments keywords (default
-    hf.checkpointing_args(every_n_layers=every_n, offload=True))."""
+    hf.checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -165,7 +165,7 @@ def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None):
         dataloader_num_workers=0,
         **checkpointing,
     )
-    trainer = transformers.Trainer(model=tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
+    trainer = transformers.Trainer(model=model if model is not None else tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
@@ -423,6 +423,20 @@ def test_callback_alone_checkpoints_and_offloads(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "OffloadCallback" in r.getMessage()]
     assert len(lines) == 1 and "checkpointing is off in the TrainingArguments" in lines[0]
     assert f"every_n_layers=1 ({LAYERS} layers checkpointed), offload=True, keep_last=1" in lines[0]
+
+
+def test_callback_alone_keeps_a_configuration_made_before_the_trainer(tmp_path, caplog):
+    import logging
+
+    model = tiny("llama")
+    hf.enable(model, every_n_layers=3, keep_last=0)
+    callback = hf.OffloadCallback()
+    with caplog.at_level(logging.INFO, logger="ckpt_offload"):
+        _, trainer = _trainer_losses(tmp_path, [callback], checkpointing={}, model=model)
+    assert callback.checkpointed == [0, 3]
+    assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 3], [0, 3])
+    assert ckpt_offload.stats()["tensors_offloaded"] == 3 * 2
+    assert any("the model keeps the configuration" in r.getMessage() for r in caplog.records)
 
 
 def test_callback_offloads_when_the_training_arguments_do_not_say():

@@ -346,12 +346,13 @@ class OffloadCallback(TrainerCallback):
         _check_int(where, "every_n_layers", every_n_layers, 1)
         _check_bool(where, "offload", offload)
         _check_not_reentrant(where, gc_kwargs.pop("use_reentrant", None))
-        if not on and checkpointing_state(model) is not None:
+        configured = None if on else checkpointing_state(model)
+        if configured is not None:
             # hf.enable (or a plan) configured the model before the Trainer: that configuration stands.
-            self.checkpointed = checkpointing_state(model)[0]
+            self.checkpointed = configured[0]
             log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
                      "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)",
-                     *checkpointing_state(model))
+                     *configured)
             return
         if not offload:
             warnings.warn(
