@@ -9,12 +9,13 @@ CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "deb
                    "respect_saved_tensors_hooks")
 
 
-def check_keywords(where, given, known, own=()):
+def check_keywords(where, given, known, own=(), note=""):
     """Every name in `given` (a dict of keywords, or names) is one of `known`.
 
     `own`: the entry point's named parameters (or the entry point itself, whose signature names
     them), offered with `known` as the close match, so that a misspelt `offlaod=` names `offload`
     instead of travelling on to a function that ignores it.
+    `note`: said after the rest of the message.
 
     Raises:
         TypeError: a name is not in `known`; the message names the closest known or own name.
@@ -30,7 +31,7 @@ def check_keywords(where, given, known, own=()):
         close = difflib.get_close_matches(name, candidates, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         accepted = f" It accepts {', '.join(known)} besides its named parameters." if known else ""
-        raise TypeError(f"{where}: unexpected keyword {name!r}{hint}{accepted}")
+        raise TypeError(f"{where}: unexpected keyword {name!r}{hint}{accepted}{note}")
 
 
 def check_int(where, name, value, minimum):

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import difflib
 import functools
+import inspect
 import warnings
 
 import torch
@@ -17,6 +19,9 @@ from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
 from . import timeline as _timeline
 from .session import OffloadSession
+
+# checkpoint()'s own names: a keyword that nearly matches one is a misspelling, not the function's.
+_OWN_NAMES = ("offload", "use_reentrant", "session", *_CHECKPOINT_KEYS)
 
 _default_session = None
 # Where the default session's forwards (graphs) begin, learnt from the graph itself: each call
@@ -166,7 +171,7 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     | offload | True | True by default, as at every ckpt_offload entry point; False: torch's checkpoint as it is |
     | use_reentrant | None | None or False only (non-reentrant) |
     | session | None | an OffloadSession; None: one shared by every call |
-    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch; without one, any other raises TypeError |
+    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch, except a near miss of an option (offlaod=) that the function does not name: TypeError; without a function, any other raises TypeError |
 
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
@@ -187,6 +192,8 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
+    if kwargs:
+        check_near_misses(function, kwargs)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
     if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # One session serves every call: without a boundary, a backward would reload the last
@@ -203,6 +210,24 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     if offload and session is None:
         session = default_session()
     return run_checkpoint(session if offload else None, function, args, kwargs)
+
+
+def check_near_misses(function, kwargs) -> None:
+    """Keywords that are not checkpoint options go to the function, as torch's checkpoint passes
+    them; one that nearly matches checkpoint's own names (offlaod=, preserve_rng=) and that the
+    function does not name is refused: a function with **kwargs (a decoder layer) would take it and
+    ignore it, and offload or the RNG would not be what the caller wrote."""
+    for name in kwargs:
+        if name in _CHECKPOINT_KEYS or not difflib.get_close_matches(name, _OWN_NAMES, n=1, cutoff=0.8):
+            continue
+        try:
+            parameter = inspect.signature(function).parameters.get(name)
+        except (TypeError, ValueError):  # no signature to read: the function's own business
+            continue
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            _check_keywords("ckpt_offload.checkpoint", [name], (), own=_OWN_NAMES,
+                            note=" (other keywords go to the function, but it does not name this one, a near miss "
+                                 "of a checkpoint option)")
 
 
 def _forward_of(args):

@@ -468,3 +468,26 @@ def test_retain_graph_reloads_for_each_backward_as_documented():
     assert s["tensors_offloaded"] == 3 and s["tensors_fetched"] == 6  # reloaded again, not held
     page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "how-it-works.md")).read()
     assert "reloads its offloaded inputs for each backward" in page
+
+
+def test_checkpoint_refuses_a_near_miss_of_its_own_keywords():
+    """A function with **kwargs (as a decoder layer's forward) would take offlaod= and ignore it."""
+    w = torch.randn(H, H, requires_grad=True)
+
+    def layer(h, **kwargs):
+        return torch.tanh(h @ w)
+
+    with pytest.raises(TypeError, match=r"ckpt_offload.checkpoint: unexpected keyword 'offlaod'; did you mean 'offload'"):
+        ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, offlaod=False)
+    with pytest.raises(TypeError, match=r"did you mean 'preserve_rng_state'"):
+        ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, preserve_rng=False)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+
+    def scaled(h, scale=1.0, offloads=0):  # named by the function: its own keywords, passed on
+        return torch.tanh(h @ w) * scale + offloads
+
+    x = torch.randn(4, H, requires_grad=True)
+    ckpt_offload.checkpoint(scaled, x * 2, scale=2.0, offloads=1).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1
+    want = torch.autograd.grad((torch.tanh((x * 2) @ w) * 2.0 + 1).sum(), x)[0]
+    assert torch.equal(x.grad, want)
