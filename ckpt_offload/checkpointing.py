@@ -192,7 +192,7 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
-    if kwargs:
+    if kwargs and not torch.compiler.is_compiling():  # eager calls: the check is not traced
         check_near_misses(function, kwargs)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
     if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
