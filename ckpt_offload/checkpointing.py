@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import difflib
 import functools
+import inspect
 import warnings
 
 import torch
@@ -10,15 +12,16 @@ import torch.autograd.profiler as _autograd_profiler
 import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _tuc
 
+from ._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS
 from ._args import check_bool as _check_bool
+from ._args import check_keywords as _check_keywords
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
 from . import timeline as _timeline
 from .session import OffloadSession
 
-# Keywords torch.utils.checkpoint.checkpoint consumes itself; everything else goes to the function.
-_CHECKPOINT_KEYS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-                    "respect_saved_tensors_hooks")
+# checkpoint()'s own names: a keyword that nearly matches one is a misspelling, not the function's.
+_OWN_NAMES = ("offload", "use_reentrant", "session", *_CHECKPOINT_KEYS)
 
 _default_session = None
 # Where the default session's forwards (graphs) begin, learnt from the graph itself: each call
@@ -163,6 +166,13 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     Without a function (and no arguments) it returns a decorator, as torch's does:
     ``@ckpt_offload.checkpoint(preserve_rng_state=False)`` above a function checkpoints each call.
 
+    | argument | default | meaning |
+    |---|---|---|
+    | offload | True | True by default, as at every ckpt_offload entry point; False: torch's checkpoint as it is |
+    | use_reentrant | None | None or False only (non-reentrant) |
+    | session | None | an OffloadSession; None: one shared by every call |
+    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch, except a near miss of an option (offlaod=) that the function does not name: TypeError; without a function, any other raises TypeError |
+
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
     those of torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False). Tensors
@@ -182,6 +192,8 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     if not callable(function):
         raise TypeError(f"ckpt_offload.checkpoint: function must be callable, got {type(function).__name__}")
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
+    if kwargs and not torch.compiler.is_compiling():  # eager calls: the check is not traced
+        check_near_misses(function, kwargs)
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
     if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # One session serves every call: without a boundary, a backward would reload the last
@@ -198,6 +210,24 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     if offload and session is None:
         session = default_session()
     return run_checkpoint(session if offload else None, function, args, kwargs)
+
+
+def check_near_misses(function, kwargs) -> None:
+    """Keywords that are not checkpoint options go to the function, as torch's checkpoint passes
+    them; one that nearly matches checkpoint's own names (offlaod=, preserve_rng=) and that the
+    function does not name is refused: a function with **kwargs (a decoder layer) would take it and
+    ignore it, and offload or the RNG would not be what the caller wrote."""
+    for name in kwargs:
+        if name in _CHECKPOINT_KEYS or not difflib.get_close_matches(name, _OWN_NAMES, n=1, cutoff=0.8):
+            continue
+        try:
+            parameter = inspect.signature(function).parameters.get(name)
+        except (TypeError, ValueError):  # no signature to read: the function's own business
+            continue
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            _check_keywords("ckpt_offload.checkpoint", [name], (), own=_OWN_NAMES,
+                            note=" (other keywords go to the function, but it does not name this one, a near miss "
+                                 "of a checkpoint option)")
 
 
 def _forward_of(args):
@@ -218,10 +248,9 @@ def _forward_of(args):
 def _decorator(offload, session, options):
     """checkpoint(**options) without a function: what checkpoint(fn, ...) runs, for fn decorated."""
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
-    unknown = [k for k in options if k not in _CHECKPOINT_KEYS]
-    if unknown:
-        raise ValueError(f"ckpt_offload.checkpoint: without a function it takes only checkpoint options "
-                         f"{list(_CHECKPOINT_KEYS)}, got {unknown}")
+    # Without a function no keyword can be the function's: each must be a checkpoint option.
+    _check_keywords("ckpt_offload.checkpoint (without a function)", options, _CHECKPOINT_KEYS,
+                    own=("offload", "use_reentrant", "session"))
 
     def decorate(function):
         if not callable(function):

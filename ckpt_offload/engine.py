@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ._args import check_bool
+from ._args import check_bool, check_size
 from ._loader import load
 from . import budget as _budget
 
@@ -14,7 +14,8 @@ _pool_set_capacity = _C.HostPool.set_capacity
 
 
 def _set_capacity(pool, nbytes) -> None:
-    """Caps the pinned bytes this pool holds (0 removes the cap); `"auto"` sets this rank's host
+    """Caps the pinned bytes this pool holds (0 removes the cap): an int of bytes, or a size with a
+    unit as the estimate command reads them ("4GiB", "512M", "8GB"); `"auto"` sets this rank's host
     budget: its share of the node's available memory (the cgroup's limit honoured, divided among
     `LOCAL_WORLD_SIZE` ranks), times 0.5. What would go past the cap spills to the disk tier when
     one is set, else stays on the device (one warning; `stats()["tensors_kept_on_device"]`).
@@ -26,13 +27,16 @@ def _set_capacity(pool, nbytes) -> None:
     not pinned; what they give back is offered again. A size in bytes ends that.
 
     Raises:
-        ValueError: `"auto"` where the node's available memory cannot be read; a negative size.
+        TypeError: neither an int, a size string nor "auto" (a bool, a float, None).
+        ValueError: `"auto"` where the node's available memory cannot be read; a negative size; a
+            string that is not a size.
     """
     if _budget.is_auto(nbytes):
         nbytes = _budget.host_capacity_auto()
         _budget.log.info("host_pool().set_capacity('auto'): %d bytes (%.3f GiB) for this rank", nbytes, nbytes / 2**30)
         cap_following_node(pool, nbytes)
         return
+    nbytes = check_size("host_pool().set_capacity", "nbytes", nbytes)
     global _following, _forward_hook
     if _following is not None and _following[0] is pool:
         _following = None

@@ -5,30 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import warnings
 
-_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
-          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+from . import _args
+
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
            "fp32": "float32", "float32": "float32", "float": "float32"}
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: expected a number with an optional unit, such as 80GiB, 80G, 80GB, 2TiB or 1073741824")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be positive")
-    return value
+    """Bytes from "80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain number of bytes
+    (ckpt_offload._args.parse_size, which host_pool().set_capacity reads sizes with too), with
+    argparse's error type so that the command prints the reason."""
+    try:
+        return _args.parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_margin(text: str) -> int:

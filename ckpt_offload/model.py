@@ -44,7 +44,7 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def enable_checkpointing(
     model: nn.Module,
     every_n_layers: int = 1,
-    offload: bool = False,
+    offload: bool = True,
     keep_last: int = 1,
     prefetch: int = 1,
     prefetch_bytes: int | None = None,
@@ -54,6 +54,13 @@ def enable_checkpointing(
     compile=False,
 ) -> list[int]:
     """Checkpoints the first repeated block and every n-th after it (0-based index % n == 0).
+
+    | argument | default | meaning |
+    |---|---|---|
+    | every_n_layers | 1 | the first block and every n-th after it |
+    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only |
+    | keep_last | 1 | the last checkpointed blocks whose inputs stay on the device |
+    | prefetch, prefetch_bytes | 1, None | offloaded blocks on their way back ahead of need |
 
     With offload=True the checkpointed blocks' inputs live in pinned host memory between forward
     and backward, except the last keep_last, which backward needs first. prefetch: how many

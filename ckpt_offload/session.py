@@ -365,11 +365,13 @@ def _warn_refused(eng, session=None):
             disk = " The disk tier had no room either (its max_bytes, or no block of a fitting size to spill)."
         else:
             disk = ""
+        available = eng.pool.node_available()  # -1: the node guard is off, or reads nothing
+        node = f"{available} bytes available on the node" if available >= 0 else "node guard off, the node's memory not read"
         warnings.warn(
             "ckpt_offload: the host pool refused a block (capacity cap "
             f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
-            f"allocations, {s['node_refusals']} refused for the node's memory, {eng.pool.node_available()} bytes "
-            f"available); tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
+            f"allocations, {s['node_refusals']} refused for the node's memory, {node}); "
+            f"tensors that do not fit stay on the device. Gradients are unaffected.{disk} "
             "checkpointing_state() does not count a layer as offloaded while it happens. This warning is shown "
             "once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
             RuntimeWarning,

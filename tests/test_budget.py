@@ -108,7 +108,7 @@ def test_set_capacity_auto_is_the_nodes_share_per_rank(monkeypatch, node, reset)
     monkeypatch.setattr(hostmem, "_MEMINFO", "/nonexistent/meminfo")
     with pytest.raises(ValueError, match="cannot be read"):
         ckpt_offload.host_pool().set_capacity("auto")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="set_capacity: bad size 'lots'"):
         ckpt_offload.host_pool().set_capacity("lots")
 
 

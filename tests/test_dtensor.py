@@ -166,6 +166,7 @@ def test_offload_activations_dtensor(mesh, test_cpu):
 def test_trl_context_manager_offloads_dtensor_shards(mesh, test_cpu):
     """TRL's get_act_offloading_ctx_manager as ckpt_offload serves it (trl.install()): the same
     shards go to the host and come back as DTensors, gradients bitwise."""
+    pytest.importorskip("trl", reason="trl is an optional dependency (the TRL integration)")
     from ckpt_offload.integrations import trl as trl_route
 
     ref = _Stack(mesh, layers=2)

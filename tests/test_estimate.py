@@ -22,11 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def configure(model, mode):
     if mode == "checkpoint":
-        ckpt_offload.enable_checkpointing(model)
+        ckpt_offload.enable_checkpointing(model, offload=False)
     elif mode == "checkpoint+offload":
         ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
     elif mode == "every_n=2":
-        ckpt_offload.enable_checkpointing(model, every_n_layers=2)
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False)
 
 
 def measured(model, inputs, loss_fn, mode, optimizer=True):

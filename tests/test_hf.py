@@ -137,9 +137,9 @@ def test_enable_refuses_double_checkpointing_and_bad_arguments():
     assert marked(model) == [] and hf.state(model) is None
 
 
-def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None):
+def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=None):
     """Losses of a 3-step Trainer run; checkpointing: the TrainingArguments keywords (default
-    hf.checkpointing_args(every_n_layers=every_n, offload=True))."""
+    hf.checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -165,7 +165,7 @@ def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None):
         dataloader_num_workers=0,
         **checkpointing,
     )
-    trainer = transformers.Trainer(model=tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
+    trainer = transformers.Trainer(model=model if model is not None else tiny("llama"), args=args, train_dataset=Data(), callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
@@ -361,3 +361,114 @@ def test_reloads_start_mid_layer_and_are_all_ahead_of_need(arch):
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     attention = "self_attn" if arch == "llama" else "attn"
     assert all(midpoints.mid[layer] == attention for layer in layers)
+
+
+# -- unknown keywords are refused, not passed on -----------------------------------------------------
+def test_unknown_keywords_are_refused_with_the_close_match():
+    """A misspelt or foreign keyword used to travel on to the decoder layer's **kwargs, where it was
+    ignored: offlaod=False offloaded, every_n=2 checkpointed every layer."""
+    model = tiny("llama")
+    with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'offlaod'; did you mean 'offload'\?"):
+        hf.enable(model, offlaod=False)
+    with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'every_n'; did you mean 'every_n_layers'\?"):
+        hf.enable(model, every_n=2)
+    with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'example_input'; did you mean 'example_inputs'"):
+        hf.enable(model, budget_bytes="auto", example_input=(batch(),))
+    assert hf.state(model) is None and marked(model) == []  # the refused calls left the model as it was
+    with pytest.raises(TypeError, match=r"hf.checkpointing_args: unexpected keyword 'every_n'; did you mean 'every_n_layers'"):
+        hf.checkpointing_args(every_n=2)
+    assert not hf.installed()
+    # torch's checkpoint keywords still pass, and are used.
+    assert hf.enable(model, every_n_layers=2, preserve_rng_state=False) == [0, 2, 4]
+    args = hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False, determinism_check="none")
+    assert next(v for k, v in args.items() if k.endswith("_kwargs")) == {
+        "every_n_layers": 2, "offload": False, "use_reentrant": False, "determinism_check": "none"}
+    for f in (hf.enable, hf.checkpointing_args):
+        assert "preserve_rng_state" in f.__doc__ and "TypeError" in f.__doc__
+
+
+def test_install_refuses_unknown_checkpointing_keywords():
+    hf.install()
+    model = tiny("llama")
+    name = _enable_names(model)[0]
+    with pytest.raises(TypeError, match=r"under hf.install\(\): unexpected keyword 'preserve_rng'; did you mean "
+                                        r"'preserve_rng_state'"):
+        _own_enable(model, name, offload=True, checkpoint_kwargs={"preserve_rng": False})
+    assert hf.state(model) is None
+
+
+def test_callback_refuses_unknown_training_argument_keywords(tmp_path):
+    with pytest.raises(TypeError, match=r"OffloadCallback .*unexpected keyword 'evry_n_layers'; did you mean "
+                                        r"'every_n_layers'"):
+        _trainer_losses(tmp_path, [hf.OffloadCallback()], checkpointing=_own_keywords(evry_n_layers=3))
+
+
+# -- OffloadCallback alone is enough -----------------------------------------------------------------
+def test_callback_alone_checkpoints_and_offloads(tmp_path, caplog):
+    """callbacks=[hf.OffloadCallback()] with TrainingArguments that do not turn checkpointing on:
+    every layer checkpointed, all but the last offloaded, the same losses as the run without."""
+    import logging
+
+    base, _ = _trainer_losses(tmp_path / "a", [], checkpointing={})
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+    callback = hf.OffloadCallback()
+    with caplog.at_level(logging.INFO, logger="ckpt_offload"):
+        ours, trainer = _trainer_losses(tmp_path / "b", [callback], checkpointing={})
+    assert ours == base
+    assert callback.checkpointed == list(range(LAYERS))
+    assert ckpt_offload.checkpointing_state(trainer.model) == (list(range(LAYERS)), list(range(LAYERS - 1)))
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 3 * (LAYERS - 1) and s["bytes_offloaded"] == 3 * (LAYERS - 1) * B * S * H * 4
+    assert s["host_in_use_bytes"] == 0
+    lines = [r.getMessage() for r in caplog.records if "OffloadCallback" in r.getMessage()]
+    assert len(lines) == 1 and "checkpointing is off in the TrainingArguments" in lines[0]
+    assert f"every_n_layers=1 ({LAYERS} layers checkpointed), offload=True, keep_last=1" in lines[0]
+
+
+def test_callback_alone_keeps_a_configuration_made_before_the_trainer(tmp_path, caplog):
+    import logging
+
+    model = tiny("llama")
+    hf.enable(model, every_n_layers=3, keep_last=0)
+    callback = hf.OffloadCallback()
+    with caplog.at_level(logging.INFO, logger="ckpt_offload"):
+        _, trainer = _trainer_losses(tmp_path, [callback], checkpointing={}, model=model)
+    assert callback.checkpointed == [0, 3]
+    assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 3], [0, 3])
+    assert ckpt_offload.stats()["tensors_offloaded"] == 3 * 2
+    assert any("the model keeps the configuration" in r.getMessage() for r in caplog.records)
+
+
+def test_callback_offloads_when_the_training_arguments_do_not_say():
+    """Checkpointing on in TrainingArguments without an 'offload' key: the callback's rule, offload."""
+    import pathlib
+    import tempfile
+
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    callback = hf.OffloadCallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "runs without offload" warning
+        with tempfile.TemporaryDirectory() as d:
+            _, trainer = _trainer_losses(pathlib.Path(d), [callback],
+                                         checkpointing={name: True, f"{name}_kwargs": {"every_n_layers": 2}})
+    assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 2, 4], [0, 2])
+    assert ckpt_offload.stats()["tensors_offloaded"] == 3 * 2
+
+
+# -- budget="auto" with a dataset whose rows a transform makes ---------------------------------------
+def test_callback_auto_refuses_a_transformed_dataset_with_its_own_message():
+    datasets = pytest.importorskip("datasets", reason="datasets is an optional dependency")
+    from types import SimpleNamespace
+
+    text = datasets.Dataset.from_dict({"text": ["a b c", "a b"]})
+    tokenized = text.with_transform(lambda b: {"input_ids": [[1] * len(t.split()) for t in b["text"]]})
+    cb = hf.OffloadCallback(budget="auto")
+    with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*transform.*max_length=N"):
+        cb._longest(SimpleNamespace(), SimpleNamespace(dataset=tokenized))
+    # A transform that changes the rows' lengths: the Arrow table's lengths are not the rows'.
+    ids = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [1]]})
+    doubled = ids.with_transform(lambda b: {"input_ids": [x * 2 for x in b["input_ids"]]})
+    with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*transform"):
+        cb._longest(SimpleNamespace(), SimpleNamespace(dataset=doubled))
+    assert cb._longest(SimpleNamespace(), SimpleNamespace(dataset=ids.with_format("torch"))) == 3

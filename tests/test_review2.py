@@ -110,8 +110,10 @@ def test_checkpoint_works_as_a_decorator():
     torch.utils.checkpoint.checkpoint(lambda a, b: torch.sin(a @ b * 2.0) @ b, x * 1, w,
                                       use_reentrant=False).sum().backward()
     assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
-    with pytest.raises(ValueError, match="without a function it takes only checkpoint options"):
+    with pytest.raises(TypeError, match=r"without a function\): unexpected keyword 'prefetch'"):
         ckpt_offload.checkpoint(prefetch=2)
+    with pytest.raises(TypeError, match="did you mean 'preserve_rng_state'"):
+        ckpt_offload.checkpoint(preserve_rng_stat=False)
     with pytest.raises(TypeError, match="offload must be True or False"):
         ckpt_offload.checkpoint(offload="yes")
     with pytest.raises(TypeError, match="the decorated object must be callable"):

@@ -358,3 +358,136 @@ def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
     (venv / ".ckpt_offload_requirements.sha256").write_text("an older list\n")
     out, calls = run()
     assert calls == [install]
+
+
+# -- one rule for offload's default ----------------------------------------------------------------
+def test_offload_defaults_to_true_at_every_entry_point():
+    """offload=True unless asked otherwise, wherever ckpt_offload takes the switch: a model enabled
+    without it offloads its checkpointed blocks but the last (keep_last=1), bytes moved."""
+    import inspect
+
+    from ckpt_offload.integrations import hf
+
+    for f in (ckpt_offload.checkpoint, ckpt_offload.enable_checkpointing, hf.enable, hf.checkpointing_args):
+        assert inspect.signature(f).parameters["offload"].default is True, f.__qualname__
+        assert "offload" in (f.__doc__ or "") and "True by default" in f.__doc__, f.__qualname__
+    model = make_model(layers=4)
+    assert ckpt_offload.enable_checkpointing(model) == [0, 1, 2, 3]
+    assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2, 3], [0, 1, 2])
+    loss_of(model, make_batch()).backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 3 and s["bytes_offloaded"] == 3 * INPUT_BYTES
+
+
+# -- host_pool().set_capacity takes sizes as the estimate command does -----------------------------
+def test_set_capacity_takes_sizes_with_units_and_refuses_the_rest():
+    pool = ckpt_offload.host_pool()
+    try:
+        pool.set_capacity("4GiB")
+        assert ckpt_offload.stats()["host_capacity_bytes"] == 4 * 2**30
+        pool.set_capacity("1.5 MB")
+        assert ckpt_offload.stats()["host_capacity_bytes"] == 1_500_000
+        pool.set_capacity(4096)
+        assert ckpt_offload.stats()["host_capacity_bytes"] == 4096
+        for bad in (True, False, 1.5, None, b"4GiB"):
+            with pytest.raises(TypeError, match=r"set_capacity: nbytes must be a number of bytes .*'4GiB'"):
+                pool.set_capacity(bad)
+        for bad in ("four", "4 parsecs", "-1GiB", "0GiB", ""):
+            with pytest.raises(ValueError, match=r"set_capacity: bad size"):
+                pool.set_capacity(bad)
+        with pytest.raises(ValueError, match="set_capacity: nbytes must be an int >= 0, got -1"):
+            pool.set_capacity(-1)
+        assert ckpt_offload.stats()["host_capacity_bytes"] == 4096  # the refused calls changed nothing
+    finally:
+        pool.set_capacity(0)
+    assert ckpt_offload.stats()["host_capacity_bytes"] == 0
+
+
+def test_estimate_command_reads_sizes_with_the_same_parser():
+    import argparse
+
+    from ckpt_offload import _args, estimate_cli
+
+    assert estimate_cli.parse_size("80GiB") == _args.parse_size("80GiB") == 80 * 2**30
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size 'x'"):
+        estimate_cli.parse_size("x")
+
+
+# -- the refusal warning says what is true --------------------------------------------------------
+def test_refusal_warning_says_the_node_guard_is_off_instead_of_minus_one(monkeypatch):
+    pool = ckpt_offload.host_pool()
+    monkeypatch.setattr(ckpt_offload.session, "_refusal_warned", False)
+    model = make_model(layers=3)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+    pool.empty_cache()
+    pool.set_node_guard("", [], 0)  # the guard off: node_available() is -1
+    assert pool.node_available() == -1
+    try:
+        pool.set_capacity(1)  # nothing fits
+        with pytest.warns(RuntimeWarning, match="refused a block") as caught:
+            loss_of(model, make_batch()).backward()
+    finally:
+        pool.set_capacity(0)
+        ckpt_offload.engine.guard_node(pool)
+    text = " ".join(str(w.message) for w in caught if "refused a block" in str(w.message))
+    assert "-1 bytes" not in text
+    assert "node guard off" in text
+    assert ckpt_offload.stats()["tensors_kept_on_device"] == 3
+
+
+# -- CKPT_OFFLOAD_TEST_CPU is read when a session is made -------------------------------------------
+def test_test_cpu_switch_is_read_when_a_session_is_made(monkeypatch):
+    """docs/testing.md: the switch counts for the sessions made after it is set; the drop-in
+    checkpoint's shared session keeps the value it saw when it was made."""
+    monkeypatch.setattr(ck, "_default_session", None)
+    w = torch.randn(H, H, requires_grad=True)
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "0")
+    ckpt_offload.checkpoint(lambda h: torch.tanh(h @ w), torch.randn(4, H) * 2).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
+    ckpt_offload.checkpoint(lambda h: torch.tanh(h @ w), torch.randn(4, H) * 2).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0  # the shared session was made with "0"
+    monkeypatch.setattr(ck, "_default_session", None)  # a new session reads "1"
+    ckpt_offload.checkpoint(lambda h: torch.tanh(h @ w), torch.randn(4, H) * 2).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "testing.md")).read()
+    assert "read at every offload" not in page
+    assert "read when a session is made" in page
+
+
+# -- retain_graph: each backward reloads ---------------------------------------------------------
+def test_retain_graph_reloads_for_each_backward_as_documented():
+    model = make_model(layers=3)
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+    loss = loss_of(model, make_batch())
+    loss.backward(retain_graph=True)
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 3 and s["tensors_fetched"] == 3
+    loss.backward()
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 3 and s["tensors_fetched"] == 6  # reloaded again, not held
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "how-it-works.md")).read()
+    assert "reloads its offloaded inputs for each backward" in page
+
+
+def test_checkpoint_refuses_a_near_miss_of_its_own_keywords():
+    """A function with **kwargs (as a decoder layer's forward) would take offlaod= and ignore it."""
+    w = torch.randn(H, H, requires_grad=True)
+
+    def layer(h, **kwargs):
+        return torch.tanh(h @ w)
+
+    with pytest.raises(TypeError, match=r"ckpt_offload.checkpoint: unexpected keyword 'offlaod'; did you mean 'offload'"):
+        ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, offlaod=False)
+    with pytest.raises(TypeError, match=r"did you mean 'preserve_rng_state'"):
+        ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, preserve_rng=False)
+    assert ckpt_offload.stats()["tensors_offloaded"] == 0
+
+    def scaled(h, scale=1.0, offloads=0):  # named by the function: its own keywords, passed on
+        return torch.tanh(h @ w) * scale + offloads
+
+    x = torch.randn(4, H, requires_grad=True)
+    ckpt_offload.checkpoint(scaled, x * 2, scale=2.0, offloads=1).sum().backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 1
+    want = torch.autograd.grad((torch.tanh((x * 2) @ w) * 2.0 + 1).sum(), x)[0]
+    assert torch.equal(x.grad, want)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 
 import torch
@@ -26,18 +27,34 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 from .. import budget as _budget
 from .. import policies
 from ..attachment import Attachment, owner_of
+from .._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS
 from .._args import check_bool as _check_bool
+from .._args import check_keywords as _check_keywords
 from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
 from ..model import checkpointing_state, disable_checkpointing
+
+log = logging.getLogger("ckpt_offload")
+
+# The keywords that go on to torch.utils.checkpoint.checkpoint (through transformers' checkpointing
+# kwargs): torch's own options, nothing else; anything else would reach the decoder layer's
+# **kwargs, which ignore it.
+CHECKPOINT_KWARGS = ("use_reentrant", *_CHECKPOINT_KEYS)
+# What the checkpointing kwargs of TrainingArguments may hold for OffloadCallback and hf.install().
+_TRAINING_KWARGS = ("every_n_layers", "offload", *CHECKPOINT_KWARGS)
 
 
 # transformers renamed its switches during 5.x (gradient_checkpointing_* became
 # activation_checkpointing_*, the old names kept as deprecated aliases until v6): these use the new
 # names where they exist and the old ones before.
 def checkpointing_enable(model, checkpoint_kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
-    """transformers' own checkpointing of `model`, through whichever name this transformers has."""
+    """transformers' own checkpointing of `model`, through whichever name this transformers has.
+
+    offload: False by default, transformers' own default: this is transformers' call (with its
+    synchronous save_on_cpu for offload=True), the one switch of this package that is not
+    ckpt_offload's. Every ckpt_offload entry point offloads by default.
+    """
     _check_int("hf.checkpointing_enable", "every_n_layers", every_n_layers, 1)
     _check_bool("hf.checkpointing_enable", "offload", offload)
     if hasattr(model, "activation_checkpointing_enable"):
@@ -62,9 +79,20 @@ def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoi
     """TrainingArguments keywords that turn checkpointing on, under this transformers' names:
     transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True)).
 
+    | argument | default | meaning |
+    |---|---|---|
+    | every_n_layers | 1 | transformers' layer selection: layer index % n == 0 |
+    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only |
+    | **checkpoint_kwargs | | only torch.utils.checkpoint.checkpoint's own options: use_reentrant (False or None), preserve_rng_state, context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks |
+
     With offload=True this also calls install(), so that the Trainer's own offload=True goes
     through the async engine with or without OffloadCallback (uninstall() undoes it).
+
+    Raises:
+        TypeError: a keyword that is none of these (the message names the closest one); transformers
+            would hand it to the decoder layers, which ignore it.
     """
+    _check_keywords("hf.checkpointing_args", checkpoint_kwargs, CHECKPOINT_KWARGS, own=checkpointing_args)
     _check_int("hf.checkpointing_args", "every_n_layers", every_n_layers, 1)
     _check_bool("hf.checkpointing_args", "offload", offload)
     _check_not_reentrant("hf.checkpointing_args", checkpoint_kwargs.get("use_reentrant"))
@@ -101,7 +129,17 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
     through the async engine (the last keep_last checkpointed layers stay on the device).
-    checkpoint_kwargs go to torch.utils.checkpoint.checkpoint (non-reentrant only).
+
+    | argument | default | meaning |
+    |---|---|---|
+    | every_n_layers | 1 | transformers' selection: layer index % n == 0 |
+    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only |
+    | keep_last | 1 | the last checkpointed layers whose inputs stay on the device |
+    | prefetch, prefetch_bytes | 1, None | offloaded layers on their way back ahead of need |
+    | **checkpoint_kwargs | | only torch.utils.checkpoint.checkpoint's own options: use_reentrant (False or None), preserve_rng_state, context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks |
+
+    Any other keyword raises TypeError naming the closest parameter (a misspelt offload= would
+    otherwise reach the decoder layers' **kwargs, which ignore it).
     policy: selective checkpointing inside the layers, as for enable_checkpointing ("attention":
     the outputs of scaled-dot-product attention, transformers' default, offloaded with the layer).
     Returns the 0-based indices of the checkpointed GradientCheckpointingLayer modules.
@@ -121,6 +159,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     whose states to count before they exist); example_inputs should then be the longest batch the
     run will see.
     """
+    _check_keywords("hf.enable", checkpoint_kwargs, CHECKPOINT_KWARGS, own=enable)
     target = _transformers_model("hf.enable", model)
     if budget_bytes is not None:
         return _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes,
@@ -211,14 +250,18 @@ def _arrow_longest(dataset):
 
 
 class OffloadCallback(TrainerCallback):
-    """Makes a Trainer run use the async engine.
+    """Makes a Trainer run checkpoint and offload through the async engine; on its own it is enough.
 
-    Use with TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs=
-    {"every_n_layers": 4, "offload": True}) (gradient_checkpointing / gradient_checkpointing_kwargs
-    in transformers releases before the rename); at the start of training the model's checkpointing
-    is re-enabled through enable() with those settings. keep_last / prefetch / prefetch_bytes are
-    this callback's own. Arguments from checkpointing_args(offload=True) offload through the engine
-    without it too (that call installs the routing, see install()); the callback adds its settings.
+    At the start of training the model is configured through enable(): with the settings of the
+    TrainingArguments' checkpointing kwargs (activation_checkpointing_kwargs, or
+    gradient_checkpointing_kwargs before transformers' rename: every_n_layers, offload, torch's
+    checkpoint options; any other key raises TypeError) when they turn checkpointing on; when they
+    do not, every layer is checkpointed and offloaded (one log line on the "ckpt_offload" logger
+    says so), unless ckpt_offload already configured the model (hf.enable before the Trainer),
+    which is kept. offload is True unless those kwargs say "offload": False, as at every
+    ckpt_offload entry point. keep_last / prefetch / prefetch_bytes are this callback's own.
+    Arguments from checkpointing_args(offload=True) offload through the engine without the callback
+    too (that call installs the routing, see install()); the callback adds its settings.
 
     budget="auto": at the start of training, a mode per layer is planned instead
     (enable(budget_bytes="auto")) for the longest batch the run will see: `max_length` if given
@@ -247,6 +290,13 @@ class OffloadCallback(TrainerCallback):
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
         dataset = getattr(train_dataloader, "dataset", None)
+        dataset_format = getattr(dataset, "format", None)
+        if isinstance(dataset_format, dict) and dataset_format.get("type") == "custom":
+            # with_transform / set_transform: the rows are made as they are read, so neither the
+            # Arrow table's lengths nor any column is theirs, and reading them all would run the
+            # transform (a tokenizer) over the whole dataset.
+            raise ValueError(self._unknown_length("the training dataset's rows are made by a transform "
+                                                  "(with_transform / set_transform) as they are read"))
         n = _arrow_longest(dataset)
         if n:
             return n
@@ -255,15 +305,16 @@ class OffloadCallback(TrainerCallback):
             column = dataset["input_ids"] if hasattr(dataset, "column_names") else None
             rows = column if column is not None else (dataset[i]["input_ids"] for i in range(len(dataset)))
             lengths = [len(r) for r in rows]
-        except (TypeError, KeyError, IndexError):
+        except (TypeError, KeyError, IndexError, ValueError):  # datasets: ValueError for a missing column
             lengths = []
         if lengths:
             return max(lengths)
-        raise ValueError(
-            "OffloadCallback(budget='auto'): the longest batch of the run is unknown (no max_length here or in the "
-            "training arguments, and no 'input_ids' in the training dataset); pass OffloadCallback(budget='auto', "
-            "max_length=N)"
-        )
+        raise ValueError(self._unknown_length("no 'input_ids' in the training dataset"))
+
+    @staticmethod
+    def _unknown_length(why):
+        return ("OffloadCallback(budget='auto'): the longest batch of the run is unknown (no max_length here or in "
+                f"the training arguments, and {why}); pass OffloadCallback(budget='auto', max_length=N)")
 
     def _enable_auto(self, args, model, kwargs):
         target = _transformers_model("OffloadCallback", model)
@@ -288,19 +339,25 @@ class OffloadCallback(TrainerCallback):
             self._enable_auto(args, model, kwargs)
             return
         on, gc_kwargs = training_args_checkpointing(args)
-        if not on:
-            warnings.warn("OffloadCallback: checkpointing is off in TrainingArguments; nothing to offload")
-            return
-        every_n_layers = gc_kwargs.pop("every_n_layers", 1)
-        offload = gc_kwargs.pop("offload", False)
         where = "OffloadCallback (checkpointing kwargs of TrainingArguments)"
+        _check_keywords(where, gc_kwargs, _TRAINING_KWARGS)
+        every_n_layers = gc_kwargs.pop("every_n_layers", 1)
+        offload = gc_kwargs.pop("offload", True)
         _check_int(where, "every_n_layers", every_n_layers, 1)
         _check_bool(where, "offload", offload)
         _check_not_reentrant(where, gc_kwargs.pop("use_reentrant", None))
+        configured = None if on else checkpointing_state(model)
+        if configured is not None:
+            # hf.enable (or a plan) configured the model before the Trainer: that configuration stands.
+            self.checkpointed = configured[0]
+            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
+                     "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)",
+                     *configured)
+            return
         if not offload:
             warnings.warn(
-                "OffloadCallback: the checkpointing kwargs of TrainingArguments have no 'offload': True; "
-                "checkpointing runs without offload"
+                "OffloadCallback: the checkpointing kwargs of TrainingArguments say 'offload': False; "
+                "checkpointing runs without offload (leave the key out, or set it True, to offload)"
             )
         self.checkpointed = enable(
             model,
@@ -311,6 +368,11 @@ class OffloadCallback(TrainerCallback):
             prefetch_bytes=self.prefetch_bytes,
             **gc_kwargs,
         )
+        if not on:
+            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on "
+                     "(hf.enable): every_n_layers=%d (%d layers checkpointed), offload=%s, keep_last=%d",
+                     every_n_layers, len(self.checkpointed), offload,
+                     min(self.keep_last, len(self.checkpointed)) if offload else 0)
 
     @staticmethod
     def _count(model, every_n_layers):
@@ -365,6 +427,7 @@ def install() -> None:
             disable_checkpointing(self)  # transformers' own checkpointing replaces ours: our hooks go
             return original(*bound.args, **bound.kwargs)
         checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
+        _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS)
         _check_not_reentrant(where, checkpoint_kwargs.pop("use_reentrant", None))
         every_n_layers = bound.arguments.get("every_n_layers", 1)
         _check_int(where, "every_n_layers", every_n_layers, 1)
