@@ -451,8 +451,8 @@ def _pack_subclass(hook, t, owner):
         return None
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(t, dtensor):
-        if session._track_modules and t.is_leaf and t.requires_grad:  # a weight (offload_activations)
-            return None
+        # A weight is an nn.Parameter (above) or a module's tensor, found by its shard's storage when
+        # packed; another leaf that needs grad (a first layer's input) is an activation.
         local = t._local_tensor
         if local.requires_grad:  # from_local's view of a leaf: not a weight, whatever the flag says
             local = local.detach()
