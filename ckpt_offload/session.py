@@ -386,14 +386,15 @@ class Unmovable:
 _unmovable_warned = False
 
 
-def _warn_unmovable(device, session=None):
-    """The pack hook's call for each such tensor: noted for the session's attachment, said once."""
+def _warn_unmovable(device, on_cpu, session=None):
+    """The pack hook's call for each such tensor: noted for the session's attachment, said once.
+    on_cpu: it stayed for being on the CPU outside the test path (else for its layout)."""
     if session is not None and session.kept_types is not None:
         session.kept_types.append(Unmovable)
     global _unmovable_warned
     if not _unmovable_warned:
         _unmovable_warned = True
-        if device == "cpu":
+        if on_cpu:
             why = ("it is on the CPU: the engine copies CUDA tensors to pinned host memory (CPU tensors only "
                    f"under {_TEST_CPU_ENV}=1, a testing aid), so nothing is offloaded on a machine without a GPU")
         else:

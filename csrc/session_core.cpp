@@ -230,7 +230,8 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
       keep_detached(*p, obj, t);
       if (unmovable && !keep) {
         g_unmovable_kept.fetch_add(1);
-        parts().warn_unmovable(py::cast(t.device().str()), owner ? owner() : py::none());
+        parts().warn_unmovable(py::cast(t.device().str()), py::bool_(t.is_cpu() && !test_cpu),
+                               owner ? owner() : py::none());
       }
       return wrap_packed(std::move(p));
     }

@@ -156,6 +156,24 @@ def test_cpu_without_the_test_path_reports_what_stayed(monkeypatch):
     loss.backward()
 
 
+def test_a_lazy_conjugate_view_is_counted_and_named(test_cpu, monkeypatch):
+    monkeypatch.setattr(ckpt_offload.session, "_unmovable_warned", False)
+    x = torch.randn(128, 128, dtype=torch.complex64, requires_grad=True)
+    y = (x * 1).conj()
+    (ref,) = torch.autograd.grad((y * y).abs().sum(), x)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        with ckpt_offload.offload_activations(min_bytes=0):
+            y = (x * 1).conj()
+            assert y.is_conj()
+            loss = (y * y).abs().sum()  # the product saves the lazy conjugate twice
+    (got,) = torch.autograd.grad(loss, x)
+    assert torch.equal(got, ref)
+    assert ckpt_offload.stats()["unmovable_tensors_kept"] == 2
+    (w,) = _unmovable_warnings(records)
+    assert "lazy conjugate or negative view" in str(w.message)
+
+
 def test_state_turns_offloaded_once_the_tensors_move(test_cpu):
     """The state follows what ran: the same model offloads once its tensors can move."""
     torch.manual_seed(0)
