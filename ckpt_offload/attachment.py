@@ -18,7 +18,7 @@ from torch import nn
 
 from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
 from .compile import _current_callback, _eagerly, _under, compiled
-from .session import OffloadSession, Refused, _warn_subclass
+from .session import OffloadSession, Refused, Unmovable, _warn_subclass
 
 ATTR = "_ckpt_offload"  # on the owner (see owner_of): the Attachment
 SLOT = "_ckpt_offload_block"  # on a plain block: (Attachment, index)
@@ -375,7 +375,7 @@ class Attachment:
         kept = session.kept_types
         if kept:
             for cls in set(kept):
-                if cls is Refused:  # the host pool's refusal: warned about once, by the session
+                if cls is Refused or cls is Unmovable:  # warned about once, by the session
                     continue
                 if (i, cls) not in self.warned_kept:
                     self.warned_kept.add((i, cls))

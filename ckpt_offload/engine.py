@@ -231,8 +231,8 @@ def stats() -> dict:
         dict: `tensors_offloaded`, `bytes_offloaded`, `tensors_prefetched`, `bytes_prefetched`,
             `tensors_fetched`, `reloads_on_demand`, `tensors_released`, ... (engine counters, ints);
             the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
-            `host_alloc_calls`, ...); `tensors_kept_on_device`, `subclass_tensors_kept`, `shared_views`,
-            `midpoint_misses`;
+            `host_alloc_calls`, ...); `tensors_kept_on_device`, `subclass_tensors_kept`,
+            `unmovable_tensors_kept`, `shared_views`, `midpoint_misses`;
             `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
             `h2d_gb_per_s` (float, or None when nothing was timed); the disk tier's figures
             (`tensors_spilled`, `bytes_spilled`, `disk_*`; zero without a tier, see docs/disk.md).
@@ -246,7 +246,7 @@ def stats() -> dict:
     out["host_peak_bytes"] = pool["peak_in_use_bytes"]
     spill = _C.global_pool().spill_stats()
     out.update({name: spill[k] for k, name in _SPILL_KEYS.items()})
-    out.update(_C.session_counters())  # the sessions' own: tensors_kept_on_device, shared_views, midpoint_misses
+    out.update(_C.session_counters())  # the sessions' own: tensors_kept_on_device, shared_views, midpoint_misses, ...
     out.update(python_counters)
     out["profiling"] = _C.profiling()
     out["d2h_gb_per_s"] = _rate(out["d2h_bytes_timed"], out["d2h_copy_ms"])

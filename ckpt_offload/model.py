@@ -1,6 +1,8 @@
 """enable_checkpointing / disable_checkpointing: checkpoint (and offload) a model's repeated blocks."""
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from .attachment import MODES as BLOCK_MODES
@@ -125,6 +127,14 @@ def enable_checkpointing(
             f"layers; use 0..{len(checkpointed)}"
         )
     offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    if offload and not offloaded:
+        warnings.warn(
+            f"enable_checkpointing: offload=True offloads nothing: keep_last={keep_last} keeps all "
+            f"{len(checkpointed)} checkpointed layer(s) of {len(blocks)} (every_n_layers={every_n_layers}) on the "
+            "device. Lower keep_last or every_n_layers to offload; checkpointing_state() reports no offloaded layer.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if isinstance(policy, dict) and numbering is not None:
         # Keys count as the returned indices do (into the repeated blocks): back to positions in blocks.
         position = {n: i for i, n in enumerate(numbering)}
@@ -216,8 +226,8 @@ def checkpointing_state(model: nn.Module):
     it. A wrapper (peft's PeftModel, torch.compile's OptimizedModule, DataParallel) answers for the model
     inside. A layer that transformers' own checkpointing took over since counts as checkpointed, not
     offloaded; so does a layer whose last run kept an input on the device for its type (a tensor
-    subclass the engine cannot take: not a DTensor) or because the host pool refused it (its cap, the
-    node's memory)."""
+    subclass the engine cannot take: not a DTensor), because the host pool refused it (its cap, the
+    node's memory) or because the engine cannot move it (a CPU tensor on a machine without a GPU)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"checkpointing_state: model must be a torch.nn.Module, got {type(model).__name__}")
     att = find(model)

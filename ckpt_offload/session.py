@@ -379,6 +379,38 @@ def _warn_refused(eng, session=None):
         )
 
 
+class Unmovable:
+    """Noted in an OffloadSession's kept_types when a tensor it would offload stayed where it was
+    because the engine cannot take it (a CPU tensor outside the test path, a lazy conjugate or
+    negative view): checkpointing_state() does not count that block as offloaded while it happens."""
+
+
+_unmovable_warned = False
+
+
+def _warn_unmovable(device, on_cpu, session=None):
+    """The pack hook's call for each such tensor: noted for the session's attachment, said once.
+    on_cpu: it stayed for being on the CPU outside the test path (else for its layout)."""
+    if session is not None and session.kept_types is not None:
+        session.kept_types.append(Unmovable)
+    global _unmovable_warned
+    if not _unmovable_warned:
+        _unmovable_warned = True
+        if on_cpu:
+            why = ("it is on the CPU: the engine copies CUDA tensors to pinned host memory (CPU tensors only "
+                   f"under {_TEST_CPU_ENV}=1, a testing aid), so nothing is offloaded on a machine without a GPU")
+        else:
+            why = "the engine takes dense tensors, not a lazy conjugate or negative view"
+        warnings.warn(
+            f"ckpt_offload: a saved tensor that offloading would move stays on {device}: {why}. Gradients are "
+            "unaffected; the memory is not saved. checkpointing_state() does not count a layer as offloaded "
+            "while it happens. This warning is shown once; ckpt_offload.stats()['unmovable_tensors_kept'] "
+            "counts such tensors.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 # -- tensor subclasses: a DTensor's local shard goes through the engine --------------------------
 # The pack hook (csrc/session_core.cpp) hands every saved tensor of a subclass to _pack_subclass,
 # and what it returns back to _unpack_subclass: once per saved tensor, off the plain tensors' path.
@@ -422,8 +454,8 @@ def _pack_subclass(hook, t, owner):
         return None
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(t, dtensor):
-        if session._track_modules and t.is_leaf and t.requires_grad:  # a weight (offload_activations)
-            return None
+        # A weight is an nn.Parameter (above) or a module's tensor, found by its shard's storage when
+        # packed; another leaf that needs grad (a first layer's input) is an activation.
         local = t._local_tensor
         if local.requires_grad:  # from_local's view of a leaf: not a weight, whatever the flag says
             local = local.detach()

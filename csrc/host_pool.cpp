@@ -190,6 +190,7 @@ size_t HostPool::round_size(size_t nbytes) {
 }
 
 void* HostPool::system_alloc(size_t bytes) {
+  if (auto hook = alloc_hook_.load()) hook(bytes);
   uint64_t pending = inject_failures_.load();
   while (pending > 0) {
     if (inject_failures_.compare_exchange_weak(pending, pending - 1)) return nullptr;
@@ -409,7 +410,9 @@ int64_t HostPool::node_available_locked() {
 bool HostPool::node_has_room(size_t bytes) {
   if (!guard_on_) return true;
   const int64_t available = node_available_locked();
-  return available < 0 || static_cast<uint64_t>(available) >= bytes + guard_reserve_;
+  // Growths still allocating with the lock released are not in the figures read yet: two
+  // growths at once would otherwise both pass on one reading.
+  return available < 0 || static_cast<uint64_t>(available) >= bytes + growing_bytes_ + guard_reserve_;
 }
 
 void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls) {
@@ -417,17 +420,20 @@ void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls
   // the lock: pinning takes about half a second per GiB.
   st_.reserved_bytes += cls;
   st_.blocks_reserved += 1;
+  growing_bytes_ += cls;
   lock.unlock();
   void* ptr = nullptr;
   try {
     ptr = system_alloc(cls);
   } catch (...) {
     lock.lock();
+    growing_bytes_ -= cls;
     st_.reserved_bytes -= cls;  // undo, and let the CUDA error through
     st_.blocks_reserved -= 1;
     throw;
   }
   lock.lock();
+  growing_bytes_ -= cls;
   if (ptr == nullptr) {
     st_.reserved_bytes -= cls;
     st_.blocks_reserved -= 1;

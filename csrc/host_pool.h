@@ -150,6 +150,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   bool pinned() const { return pinned_; }
   // Testing aid: the next n system allocations fail as if the host were out of pinned memory.
   void inject_alloc_failures(uint64_t n) { inject_failures_.store(n); }
+  // Testing aid: called by each system allocation, with the pool lock released, before it allocates.
+  void set_alloc_hook(void (*hook)(size_t bytes)) { alloc_hook_.store(hook); }
 
   // The size a request is rounded to: 16 classes per power of two above 8 KiB (waste < 6.25%),
   // multiples of 512 bytes below. Exposed for tests.
@@ -192,6 +194,10 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t high_water_ = 0;   // H; not reset by reset_stats(): the bound's reference
   uint64_t working_set_ = 0;  // W; likewise
   std::atomic<uint64_t> inject_failures_{0};
+  std::atomic<void (*)(size_t)> alloc_hook_{nullptr};
+  // Bytes being allocated with mu_ released (allocate_unlocked): not yet in what the node guard
+  // reads, so it counts them itself. Under mu_.
+  uint64_t growing_bytes_ = 0;
   std::shared_ptr<SpillTier> spill_;  // under mu_
 };
 

@@ -272,13 +272,15 @@ class SimRuntime : public CopyRuntime {
 
   // Whether the engine's reference is the last one cannot be told reliably (Python may keep the
   // tensor alive, or a dead Python object may still hold it): dropping it while the copy is queued
-  // is a hazard either way, as the engine cannot know that someone else keeps the memory.
+  // is a hazard either way, as the engine cannot know that someone else keeps the memory. Only this
+  // handle's own copies count: another handle's queued copy of the same memory holds a reference
+  // of its own (on a GPU the copy engine's), checked when that one is released.
   void check_source_release(const at::Tensor& src, uint64_t handle) override {
     if (!src.has_storage()) return;
     const c10::Storage& storage = src.storage();
     std::lock_guard<std::mutex> lock(state().mu);
     for (const auto& y : state().in_flight) {
-      if (overlap(storage.data(), storage.nbytes(), y->src, y->nbytes)) {
+      if (y->handle == handle && overlap(storage.data(), storage.nbytes(), y->src, y->nbytes)) {
         hazard("source memory released while its copy is queued", handle, "the queued " + describe(*y));
       }
     }

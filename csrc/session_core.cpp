@@ -41,6 +41,7 @@ constexpr int64_t kNoTask = std::numeric_limits<int64_t>::min();
 std::atomic<uint64_t> g_shared_views{0};
 std::atomic<uint64_t> g_kept_on_device{0};
 std::atomic<uint64_t> g_midpoint_misses{0};
+std::atomic<uint64_t> g_unmovable_kept{0};  // would be offloaded, but the engine cannot take them
 
 int64_t graph_task() { return torch::autograd::get_current_graph_task_id(); }
 
@@ -66,7 +67,7 @@ bool plain_tensor(PyObject* obj) { return Py_TYPE(obj) == reinterpret_cast<PyTyp
 
 // Python functions and flags the core calls (looked up once).
 struct PyParts {
-  py::object timeline, profiler, named_engine, modified_error, warn_refused, engine, pack_subclass, unpack_subclass;
+  py::object timeline, profiler, named_engine, modified_error, warn_refused, warn_unmovable, engine, pack_subclass, unpack_subclass;
   py::object timeline_globals, profiler_globals;  // the two modules' namespaces, read by naming()
   py::str enabled{"enabled"}, profiler_on{"_is_profiler_enabled"};
 };
@@ -83,6 +84,7 @@ PyParts& parts() {
     auto session = py::module_::import("ckpt_offload.session");
     out->modified_error = session.attr("_modified_error");
     out->warn_refused = session.attr("_warn_refused");
+    out->warn_unmovable = session.attr("_warn_unmovable");
     out->pack_subclass = session.attr("_pack_subclass");
     out->unpack_subclass = session.attr("_unpack_subclass");
     return out;
@@ -220,11 +222,17 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     p->version = t._version();
     // Numbered once candidate() is done: it may call Python (the model's tensors, once a forward),
     // and another thread may pack meanwhile.
-    const bool offload = candidate(obj, t);
+    bool unmovable = false;
+    const bool offload = candidate(obj, t, &unmovable);
     p->seq = next_seq_;
     p->group = group;
     if (!offload) {
       keep_detached(*p, obj, t);
+      if (unmovable && !keep) {
+        g_unmovable_kept.fetch_add(1);
+        parts().warn_unmovable(py::cast(t.device().str()), py::bool_(t.is_cpu() && !test_cpu),
+                               owner ? owner() : py::none());
+      }
       return wrap_packed(std::move(p));
     }
     next_seq_ += 1;
@@ -274,15 +282,21 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
     return py::cast(base.as_strided(p->view_size, p->view_stride, base.storage_offset() + p->view_delta));
   }
 
-  bool candidate(py::handle obj, const at::Tensor& t) {
+  // unmovable: where given, set when t would be offloaded but the engine cannot take it (a CPU tensor
+  // outside the test path, a lazy conjugate or negative view): pack counts and reports it.
+  bool candidate(py::handle obj, const at::Tensor& t, bool* unmovable = nullptr) {
     // Parameters, buffers, tensor subclasses (fake, functional, DTensor), meta and CPU tensors are
     // never offloaded: nothing is freed by copying them, or there is no data to copy.
     if (!plain_tensor(obj.ptr())) return false;
-    // Around a whole forward, a leaf that needs grad is a weight held elsewhere: copying it frees
-    // nothing. A checkpoint's own positional inputs are always offloaded.
-    if (track_modules && t.is_leaf() && t.requires_grad()) return false;
-    const int64_t nbytes = offload_size(t, test_cpu);
+    int64_t nbytes = offload_size(t, test_cpu);
+    const bool stays = nbytes < 0 && (t.is_cuda() || t.is_cpu()) && t.layout() == c10::kStrided && t.has_storage() &&
+                       !t.is_nested() && !t.is_quantized();
+    if (stays) nbytes = static_cast<int64_t>(t.nbytes());
     if (nbytes <= 0 || nbytes < min_bytes) return false;
+    // Only a parameter, a buffer or a view of one stays as a weight: a leaf that needs grad is none
+    // by itself (the first layer's input under peft's enable_input_require_grads, the view of its
+    // input a custom autograd.Function saves). Parameters fail plain_tensor above; a module's
+    // tensors given as plain tensors (torch.func.functional_call) are found by storage below.
     const bool view = t.is_view();
     if (view) {
       // A view of a parameter (F.linear saves weight.t()): copying it frees nothing, and under FSDP2
@@ -302,11 +316,16 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
       if (!root_gathered_) gather_root();
       if (root_keys_.count(key)) return false;
     }
+    if (stays) {
+      if (unmovable != nullptr) *unmovable = true;
+      return false;
+    }
     return true;
   }
 
   // -- forwards and layers --------------------------------------------------------------------
   void new_forward() {
+    if (track_modules) open_context();
     if (starts_.empty() || starts_.back() != next_seq_) starts_.push_back(next_seq_);
     // Only starts at or after the oldest live record still delimit anything.
     const int64_t oldest = records_.empty() ? next_seq_ : records_.front().seq;
@@ -316,6 +335,7 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   }
 
   void end() {
+    if (track_modules) close_context();
     for (auto& p : deferred_) hold_detached(*p);  // the keep-last queue stays on the device
     deferred_.clear();
     module_keys_.clear();
@@ -451,6 +471,52 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
   struct Pending {
     int64_t seq, group, task;
   };
+  bool in_context_ = false;  // listed among the open offload_activations contexts
+
+  // The offload_activations contexts open now, each a session; the GIL guards the list.
+  static std::vector<std::weak_ptr<SessionCore>>& open_contexts() {
+    static auto* list = new std::vector<std::weak_ptr<SessionCore>>();  // never destroyed, as parts()
+    return *list;
+  }
+
+  void open_context() {
+    if (in_context_) return;
+    in_context_ = true;
+    auto& list = open_contexts();
+    list.erase(std::remove_if(list.begin(), list.end(), [](const auto& w) { return w.expired(); }), list.end());
+    list.push_back(weak_from_this());
+  }
+
+  void close_context() {
+    if (!in_context_) return;
+    in_context_ = false;
+    auto& list = open_contexts();
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [this](const auto& w) {
+                                auto c = w.lock();
+                                return !c || c.get() == this;
+                              }),
+               list.end());
+  }
+
+  // A live record of another open context that covers t's range of the same storage, unwritten since.
+  RecordPtr sent_by_enclosing(intptr_t key, int64_t start, int64_t end, const at::Tensor& t, int64_t version) {
+    for (const auto& w : open_contexts()) {
+      auto other = w.lock();
+      if (!other || other.get() == this) continue;
+      auto found = other->by_storage_.find(key);
+      if (found == other->by_storage_.end()) continue;
+      for (const auto& e : found->second) {
+        RecordPtr rec = e.rec.lock();
+        if (rec && e.dtype == t.scalar_type() && rec->version == version &&
+            static_cast<int64_t>(rec->handle->source_version()) == rec->version && e.start <= start &&
+            end <= e.end && rec->engine == engine_for(t)) {
+          return rec;
+        }
+      }
+    }
+    return nullptr;
+  }
 
   void pop_layer(const py::tuple& spec) {
     PyObject* popped = PyObject_CallNoArgs(spec[1].ptr());
@@ -556,6 +622,16 @@ class SessionCore : public std::enable_shared_from_this<SessionCore> {
           move(rec, p.seq, p.group);
           return;
         }
+      }
+    }
+    if (track_modules) {
+      // Nested offload_activations contexts: a tensor an enclosing one already sent (a layer's input
+      // saved by ops on both sides of the inner context) shares that copy, fetched when this
+      // context's backward reaches it.
+      if (RecordPtr rec = sent_by_enclosing(key, start, end, t, p.version)) {
+        g_shared_views.fetch_add(1);
+        attach(p, rec, t, true);
+        return;
       }
     }
     at::Tensor src = t;
@@ -1100,12 +1176,14 @@ void bind_session_core(py::module_& m) {
     d["shared_views"] = g_shared_views.load();
     d["tensors_kept_on_device"] = g_kept_on_device.load();
     d["midpoint_misses"] = g_midpoint_misses.load();
+    d["unmovable_tensors_kept"] = g_unmovable_kept.load();
     return d;
   });
   m.def("reset_session_counters", [] {
     g_shared_views.store(0);
     g_kept_on_device.store(0);
     g_midpoint_misses.store(0);
+    g_unmovable_kept.store(0);
   });
 }
 

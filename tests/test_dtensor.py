@@ -163,6 +163,34 @@ def test_offload_activations_dtensor(mesh, test_cpu):
         assert torch.equal(got[name], want[name]), f"gradient of {name} differs"
 
 
+def test_offload_activations_dtensor_leaf_input(mesh, test_cpu):
+    """A DTensor leaf that needs grad and is no module's weight (a first layer's input under peft's
+    enable_input_require_grads) is an activation: its shard goes to the host like the others."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def leaf():
+        local, _ = _shard(mesh, 1, requires_grad=False)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, H),
+                                  stride=(H, 1)).requires_grad_(True)
+
+    model = _Stack(mesh, layers=2)
+    x = leaf()
+    assert x.is_leaf and x.requires_grad
+    model(x).to_local().square().sum().backward()
+    want = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    want_x = x.grad.to_local().clone()
+    model.zero_grad(set_to_none=True)
+    ckpt_offload.reset_stats()
+    x = leaf()
+    with ckpt_offload.offload_activations(min_bytes=0):
+        out = model(x)
+    assert ckpt_offload.stats()["bytes_offloaded"] == 2 * 2 * LOCAL_ROWS * H * 4  # the leaf input too
+    out.to_local().square().sum().backward()
+    assert torch.equal(x.grad.to_local(), want_x)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad.to_local(), want[n]), f"gradient of {n} differs"
+
+
 def test_trl_context_manager_offloads_dtensor_shards(mesh, test_cpu):
     """TRL's get_act_offloading_ctx_manager as ckpt_offload serves it (trl.install()): the same
     shards go to the host and come back as DTensors, gradients bitwise."""

@@ -780,6 +780,43 @@ void test_spill_faults() {
   rmdir(dir.c_str());
 }
 
+// Two growths at once under the node guard: the second checks the node while the first is still
+// allocating (the pool lock released), on a reading that does not show the first yet. With room for
+// one of them only, the second is refused.
+std::atomic<int> g_allocs_entered{0};
+std::atomic<bool> g_allocs_go{false};
+
+void hold_first_alloc(size_t /*bytes*/) {
+  if (g_allocs_entered.fetch_add(1) == 0) {
+    while (!g_allocs_go.load()) std::this_thread::yield();
+  }
+}
+
+void test_node_guard_concurrent() {
+  char path[] = "/tmp/ckpt_offload_meminfo_XXXXXX";
+  const int fd = mkstemp(path);
+  if (!CHECK(fd >= 0)) return;
+  const std::string text = "MemTotal:       8192 kB\nMemAvailable:    3072 kB\n";  // 3 MiB: one 2 MiB block
+  CHECK(write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()));
+  close(fd);
+  auto pool = HostPool::create(false);
+  pool->set_node_guard(path, {}, 0);
+  g_allocs_entered.store(0);
+  g_allocs_go.store(false);
+  pool->set_alloc_hook(hold_first_alloc);
+  std::shared_ptr<HostBlock> first;
+  std::thread grower([&] { first = pool->acquire(2 * MiB, true); });
+  while (g_allocs_entered.load() == 0) std::this_thread::yield();  // the first is allocating, unlocked
+  auto second = pool->acquire(2 * MiB, true);
+  g_allocs_go.store(true);
+  grower.join();
+  pool->set_alloc_hook(nullptr);
+  CHECK(first != nullptr);
+  CHECK_MSG(second == nullptr, "two growths passed the node guard on one reading");
+  CHECK_EQ(pool->stats().node_refusals, 1u);
+  unlink(path);
+}
+
 const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
     {"round_size", test_round_size},   {"hit_reuse", test_hit_reuse},     {"cap_refusal", test_cap_refusal},
     {"alloc_failure", test_alloc_failure}, {"empty_cache", test_empty_cache}, {"reserve", test_reserve},
@@ -787,7 +824,7 @@ const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
     {"fine_tuning", test_fine_tuning},   {"growing", test_growing},         {"alternating", test_alternating},
     {"bound_adversarial", test_bound_adversarial}, {"reserve_pairs", test_reserve_pairs},
     {"spill_roundtrip", test_spill_roundtrip}, {"spill_bad_path", test_spill_bad_path},
-    {"spill_faults", test_spill_faults},
+    {"spill_faults", test_spill_faults}, {"node_guard_concurrent", test_node_guard_concurrent},
 };
 
 }  // namespace
