@@ -1,4 +1,13 @@
-"""Argument checks shared by the public entry points: errors that name the function and the argument."""
+"""Argument checks shared by the public entry points: errors that name the function and the argument;
+and the name the command line was started by, for its usage lines."""
+import os
+import sys
+
+
+def command_name():
+    """`ckpt-offload` when this process is the console script, else `python -m ckpt_offload`: what a
+    usage line tells the reader to type is what they typed."""
+    return "ckpt-offload" if os.path.basename(sys.argv[0]) == "ckpt-offload" else "python -m ckpt_offload"
 
 
 def check_int(where, name, value, minimum):

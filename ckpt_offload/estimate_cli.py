@@ -10,6 +10,8 @@ import sys
 import time
 import warnings
 
+from ._args import command_name
+
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
@@ -50,7 +52,7 @@ def _positive(text):
 
 def _parser():
     p = argparse.ArgumentParser(
-        prog="python -m ckpt_offload estimate",
+        prog=f"{command_name()} estimate",
         description="The device and host memory of one training step of a transformers model, per "
                     "checkpointing / offload mode, estimated on the meta device (no GPU, no weights).")
     p.add_argument("--config", required=True, help="a transformers config.json")
