@@ -76,7 +76,14 @@ cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
 sanitize = ["-fsanitize=address,undefined"] if env_flag("CKPT_OFFLOAD_SANITIZE") else []
 if sanitize:
     cxx_flags = (cxx_flags if debug else ["-O1", "-g"]) + sanitize + ["-fno-omit-frame-pointer"]
-macros = [("CKPT_OFFLOAD_TORCH_VERSION", f'"{torch.__version__}"')]
+# The sources include only the ATen headers they use (ATen/core/Tensor.h, ATen/ops/<op>.h): these two
+# make an include of all of torch's operators (ATen/ATen.h, torch/extension.h) a compile error, since
+# it would more than double the build time. CMakeLists.txt defines the same.
+macros = [
+    ("CKPT_OFFLOAD_TORCH_VERSION", f'"{torch.__version__}"'),
+    ("AT_PER_OPERATOR_HEADERS", None),
+    ("TORCH_ASSERT_ONLY_METHOD_OPERATORS", None),
+]
 if with_cuda:
     macros.append(("CKPT_OFFLOAD_WITH_CUDA", None))
 

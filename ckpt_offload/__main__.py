@@ -7,6 +7,8 @@ even where importing the compiled core fails (it is then part of the report).
 import importlib
 import sys
 
+from ._args import command_name
+
 COMMANDS = {
     "env": ("ckpt_offload.envreport", "what this machine, its torch and this build are (for bug reports)"),
     "estimate": ("ckpt_offload.estimate_cli", "the memory of a training step, sized on the meta device"),
@@ -14,9 +16,10 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m ckpt_offload <command> [options]", "", "commands:"]
+    name = command_name()
+    lines = [f"usage: {name} <command> [options]", "", "commands:"]
     lines += [f"  {name:<10}{doc}" for name, (_, doc) in COMMANDS.items()]
-    lines.append("\n`python -m ckpt_offload <command> --help` for a command's options.")
+    lines.append(f"\n`{name} <command> --help` for a command's options.")
     return "\n".join(lines)
 
 

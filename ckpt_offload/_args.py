@@ -1,7 +1,10 @@
-"""Argument checks shared by the public entry points: errors that name the function and the argument."""
+"""Argument checks shared by the public entry points: errors that name the function and the argument;
+and the name the command line was started by, for its usage lines."""
 import difflib
 import inspect
+import os
 import re
+import sys
 
 # The keywords torch.utils.checkpoint.checkpoint consumes itself (use_reentrant aside, which every
 # entry point takes by name): what an entry point that forwards keywords to it accepts.
@@ -32,6 +35,12 @@ def check_keywords(where, given, known, own=(), note=""):
         hint = f"; did you mean {close[0]!r}?" if close else ""
         accepted = f" It accepts {', '.join(known)} besides its named parameters." if known else ""
         raise TypeError(f"{where}: unexpected keyword {name!r}{hint}{accepted}{note}")
+
+
+def command_name():
+    """`ckpt-offload` when this process is the console script, else `python -m ckpt_offload`: what a
+    usage line tells the reader to type is what they typed."""
+    return "ckpt-offload" if os.path.basename(sys.argv[0]) == "ckpt-offload" else "python -m ckpt_offload"
 
 
 def check_int(where, name, value, minimum):

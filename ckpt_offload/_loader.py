@@ -2,7 +2,7 @@
 import json
 import os
 import sys
-from importlib import metadata
+from importlib import machinery, metadata
 
 from packaging.version import Version
 
@@ -37,7 +37,8 @@ def _installed_from():
     url = record["url"]
     vcs = record.get("vcs_info")
     if isinstance(vcs, dict) and vcs.get("vcs"):
-        rev = vcs.get("requested_revision")
+        # The commit that was installed: a branch, or no revision at all, names a newer one by now.
+        rev = vcs.get("commit_id") or vcs.get("requested_revision")
         return f"{vcs['vcs']}+{url}" + (f"@{rev}" if rev else "")
     if url.endswith(".whl"):
         return None
@@ -52,6 +53,21 @@ def rebuild_command():
         return f"pip install --no-build-isolation -e .   (in {root})"
     source = _installed_from() or "<the sdist or git URL ckpt_offload was installed from>"
     return f"pip install --no-build-isolation --no-deps --force-reinstall {source}"
+
+
+def shadowed_install():
+    """Where an installed ckpt_offload lies that this import did not reach, or None: this copy is a
+    source folder without a build of its own, first on sys.path because Python was started in the
+    folder's root (or PYTHONPATH names it), and another copy is installed further down the path."""
+    root = source_checkout()
+    if root is None or any(f.startswith("_C.") and f.endswith(tuple(machinery.EXTENSION_SUFFIXES))
+                           for f in os.listdir(_PACKAGE_DIR)):
+        return None
+    real_root = os.path.realpath(root)
+    rest = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != real_root]
+    spec = machinery.PathFinder.find_spec("ckpt_offload", rest)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return locations[0] if locations else None
 
 
 def started_as_env_command():
@@ -93,6 +109,15 @@ def load():
     try:
         from . import _C
     except ImportError as err:
+        installed_copy = shadowed_install()
+        if installed_copy is not None:
+            raise ImportError(
+                f"ckpt_offload was imported from the source folder {source_checkout()}, which has no build of "
+                f"ckpt_offload._C, and not from the copy installed at {installed_copy}: Python puts the current "
+                "directory (or PYTHONPATH) first on sys.path. To use the installed copy, run from another "
+                "directory; to work on this folder's sources, build them in place: pip install "
+                "--no-build-isolation -e ."
+            ) from err
         built_for = record.TORCH_VERSION if record is not None else "no build record: never built"
         raise ImportError(
             f"ckpt_offload._C could not be loaded ({err}). Built for torch: {built_for}; installed: torch "

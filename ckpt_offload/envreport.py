@@ -13,6 +13,7 @@ import sys
 import time
 
 from . import hostmem, nvidia
+from ._args import command_name
 from ._version import __version__
 
 PACKAGES = ("transformers", "accelerate", "peft", "trl", "deepspeed", "mkdocs")
@@ -240,7 +241,7 @@ def format_text(r: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ckpt_offload env",
+        prog=f"{command_name()} env",
         description="What this machine, its torch and this build of ckpt_offload are: paste it into a bug report.")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text block")
     parser.add_argument("--probe", action="store_true",

@@ -11,6 +11,8 @@ import warnings
 
 from . import _args
 
+from ._args import command_name
+
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
            "fp32": "float32", "float32": "float32", "float": "float32"}
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
@@ -45,7 +47,7 @@ def _positive(text):
 
 def _parser():
     p = argparse.ArgumentParser(
-        prog="python -m ckpt_offload estimate",
+        prog=f"{command_name()} estimate",
         description="The device and host memory of one training step of a transformers model, per "
                     "checkpointing / offload mode, estimated on the meta device (no GPU, no weights).")
     p.add_argument("--config", required=True, help="a transformers config.json")

@@ -1,7 +1,11 @@
 // Python bindings of ckpt_offload._C: argument checks here, work in host_pool.cpp and copy_engine.cpp.
+// pybind11 first: c10 declares pybind11::class_ without the hidden visibility pybind11 gives it, and
+// whichever declaration comes first decides (else every py::class_ here warns).
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // the tensor, device and dtype casters
+
+#include <ATen/ops/from_blob.h>
 
 #include <optional>
 #include <vector>

@@ -3,6 +3,8 @@
 // on the simulated asynchronous runtime.
 #include "copy_engine.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/strides.h>
 

@@ -3,7 +3,7 @@
 // and events come from a CopyRuntime (runtime.h): CUDA, host-synchronous, or simulated.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Stream.h>
 
 #include <atomic>

@@ -3,7 +3,7 @@
 // asynchronous runtime for tests without a GPU (runtime_sim.cpp). The engine's protocol is written once.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/ATen_fwd.h>  // at::Tensor, by reference only: no operator headers here
 #include <c10/core/Stream.h>
 
 #include <cstdint>

@@ -2,6 +2,7 @@
 // allocator's stream bookkeeping. The only place the copy engine's CUDA calls live.
 #ifdef CKPT_OFFLOAD_WITH_CUDA
 
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

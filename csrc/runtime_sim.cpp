@@ -2,6 +2,8 @@
 // copy stream is a worker thread that runs its queue in order, each copy after a seeded random
 // delay; events follow CUDA's semantics; the compute stream is the calling thread. It knows which
 // queued copy reads and writes which bytes, and raises on every copy the protocol leaves unordered.
+#include <ATen/core/Tensor.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>

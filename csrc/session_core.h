@@ -4,7 +4,8 @@
 // tensors (gathered on request) and the messages; everything per saved tensor runs here.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <pybind11/pybind11.h>
 
 namespace ckpt_offload {
 

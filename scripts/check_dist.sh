@@ -1,24 +1,55 @@
 #!/usr/bin/env bash
-# The release as a user gets it: builds the sdist, checks it carries every header of csrc/, builds a
-# wheel from that sdist (host-only, so it stays short) against the venv's torch, installs the wheel
-# outside the source tree (pip --target), and from another folder imports it, checks its metadata and
-# build record, and runs a two-layer offloaded step on the CPU test path. Uses ccache when it is there.
+# The release as a user gets it: in a plain environment (a new venv with torch, setuptools, build and
+# pip from the development venv and nothing else: what docs/install.md lists) builds the sdist, checks
+# it carries every header of csrc/, builds a wheel from that sdist (host-only, so it stays short), installs
+# the wheel outside the source tree (pip --target), and from another folder imports it, checks its
+# metadata and build record, and runs a two-layer offloaded step on the CPU test path. Uses ccache when
+# it is there.
 #
-# Environment: VENV (.venv, set up by scripts/setup.sh when missing; needs build and wheel, in the test
-# extra), KEEP=1 keeps the work folder.
+# Environment: VENV (.venv, set up by scripts/setup.sh when missing), KEEP=1 keeps the work folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PY="$VENV/bin/python"
-[ -x "$PY" ] || VENV="$VENV" bash scripts/setup.sh  # alone in a fresh clone: the venv with build and wheel first
+[ -x "$PY" ] || VENV="$VENV" bash scripts/setup.sh  # alone in a fresh clone: the venv first
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_offload-dist.XXXXXX")
 [ "${KEEP:-0}" = 1 ] && echo "== work folder: $WORK (kept)" || trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/dist" "$WORK/tmp" "$WORK/site" "$WORK/run"
 
-echo "== sdist"
-"$PY" -m build --sdist --no-isolation --outdir "$WORK/dist" . > "$WORK/sdist.log" 2>&1 || { tail -n 30 "$WORK/sdist.log"; exit 1; }
+echo "== a plain environment: torch, setuptools, build, pip"
+# A new venv whose site-packages links to those distributions of $VENV and to what they require,
+# nothing more: no wheel, pybind11 or ninja package, none of the extras. No download.
+"$PY" -m venv --without-pip "$WORK/plain"
+PLAIN="$WORK/plain/bin/python"
+"$PY" - "$("$PLAIN" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" <<'PY'
+import importlib.metadata as md
+import os
+import re
+import sys
+
+from packaging.requirements import Requirement
+
+dest, linked, todo = sys.argv[1], set(), ["torch", "setuptools", "build", "pip", "packaging"]
+while todo:
+    name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+    if name in linked:
+        continue
+    linked.add(name)
+    dist = md.distribution(name)
+    for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+        src, dst = str(dist.locate_file(top)), os.path.join(dest, top)
+        if os.path.exists(src) and not os.path.lexists(dst):
+            os.symlink(src, dst)
+    todo += [r.name for r in map(Requirement, dist.requires or []) if not r.marker or r.marker.evaluate({"extra": ""})]
+print(f"{len(linked)} distributions: {', '.join(sorted(linked))}")
+PY
+! "$PLAIN" -c 'import wheel' 2>/dev/null && ! "$PLAIN" -c 'import pybind11' 2>/dev/null || {
+  echo "the plain environment has wheel or pybind11" >&2; exit 1; }
+
+echo "== sdist, as docs/install.md builds it"
+"$PLAIN" -m build --sdist --no-isolation --outdir "$WORK/dist" . > "$WORK/sdist.log" 2>&1 || { tail -n 30 "$WORK/sdist.log"; exit 1; }
 sdist=$(ls "$WORK"/dist/ckpt_offload-*.tar.gz)
 echo "$(basename "$sdist")"
 # Every header the build needs travels (a missing one is the first thing an sdist build trips on).
@@ -38,14 +69,14 @@ if [ -d /usr/lib/ccache ]; then
   export PATH="/usr/lib/ccache:$PATH" CCACHE_BASEDIR="$WORK/tmp" CCACHE_NOHASHDIR=1
 fi
 start=$SECONDS
-TMPDIR="$WORK/tmp" CKPT_OFFLOAD_WITH_CUDA=0 MAX_JOBS=${MAX_JOBS:-$(nproc)} nice "$PY" -m pip wheel \
+TMPDIR="$WORK/tmp" CKPT_OFFLOAD_WITH_CUDA=0 MAX_JOBS=${MAX_JOBS:-$(nproc)} nice "$PLAIN" -m pip wheel \
   --no-build-isolation --no-deps --no-index -w "$WORK/dist" "$sdist" > "$WORK/wheel.log" 2>&1 || {
   tail -n 40 "$WORK/wheel.log"; exit 1; }
 wheel=$(ls "$WORK"/dist/ckpt_offload-*.whl)
 echo "$(basename "$wheel") ($((SECONDS - start)) s)"
 
 echo "== installed outside the tree, used from another folder"
-"$PY" -m pip install -q --no-deps --no-index --target "$WORK/site" "$wheel"
+"$PLAIN" -m pip install -q --no-deps --no-index --target "$WORK/site" "$wheel"
 cd "$WORK/run"
 PYTHONPATH="$WORK/site" CKPT_OFFLOAD_TEST_CPU=1 "$PY" - "$ROOT" "$WORK/site" <<'PY'
 import importlib.metadata

@@ -1,8 +1,10 @@
-"""The API reference (docs/reference/*.md, rendered by mkdocstrings) documents every public name:
-each name in ckpt_offload.__all__ and each public function or class of the integrations has a
-`::: dotted.path` directive that resolves to that very object. No network, no site build."""
+"""The API reference (docs/reference/*.md, written from the docstrings by scripts/api_reference.py)
+documents every public name: each name in ckpt_offload.__all__ and each public function or class of
+the integrations has a `<!-- ::: dotted.path -->` marker that resolves to that very object, and what
+the pages say is what the docstrings say now. No network, no site build."""
 import glob
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
@@ -18,11 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def directives():
-    """Every `::: dotted.path` of the reference pages."""
+    """Every `<!-- ::: dotted.path -->` marker of the reference pages."""
     paths = []
     for page in sorted(glob.glob(os.path.join(ROOT, "docs", "reference", "*.md"))):
         with open(page) as f:
-            paths += re.findall(r"^::: ([\w.]+)\s*$", f.read(), flags=re.M)
+            paths += re.findall(r"^<!-- ::: ([\w.]+)(?: \w+=\w+)* -->$", f.read(), flags=re.M)
     return paths
 
 
@@ -91,8 +93,38 @@ def test_the_check_sees_a_missing_name(tmp_path, monkeypatch):
     # The check itself: a reference without one of the names reports exactly that name.
     pages = tmp_path / "docs" / "reference"
     pages.mkdir(parents=True)
-    (pages / "index.md").write_text("::: ckpt_offload.stats\n\n::: ckpt_offload._C.HostPool\n")
+    (pages / "index.md").write_text("<!-- ::: ckpt_offload.stats -->\n<!-- /::: -->\n\n"
+                                    "<!-- ::: ckpt_offload._C.HostPool -->\n<!-- /::: -->\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     docs = documented()
     assert id(ckpt_offload.stats) in docs and id(ckpt_offload.HostPool) in docs
     assert id(ckpt_offload.reset_stats) not in docs
+
+
+def api_reference():
+    spec = importlib.util.spec_from_file_location("api_reference", os.path.join(ROOT, "scripts", "api_reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pages_say_what_the_docstrings_say():
+    # GitHub shows the pages as committed: they must be the script's output for today's docstrings.
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "reference", "*.md"))):
+        with open(path) as f:
+            text = f.read()
+        assert api_reference().page(text) == text, (
+            f"{os.path.relpath(path, ROOT)} is not current: run python scripts/api_reference.py")
+
+
+def test_a_changed_docstring_makes_the_page_stale(monkeypatch):
+    ref = api_reference()
+    with open(os.path.join(ROOT, "docs", "reference", "index.md")) as f:
+        text = f.read()
+    assert "Everything below here is new." not in text
+    monkeypatch.setattr(ckpt_offload.reset_stats, "__doc__", "Everything below here is new.")
+    rendered = ref.page(text)
+    assert rendered != text and "Everything below here is new." in rendered
+    # Only the block of the changed function moved.
+    block = re.compile(r"<!-- ::: ckpt_offload.reset_stats -->.*?<!-- /::: -->", re.S)
+    assert block.sub("", rendered) == block.sub("", text)

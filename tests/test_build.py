@@ -1,6 +1,8 @@
 """Build plumbing: the toolkit search behind an nvcc wrapper, the build record, the loader's errors."""
 import os
+import shutil
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -113,7 +115,10 @@ class FakeDistribution:
 
 @pytest.mark.parametrize("direct_url, source", [
     ('{"url": "https://example.org/ckpt_offload.git", "vcs_info": {"vcs": "git", "requested_revision": "v0.1.0", '
-     '"commit_id": "abc"}}', "git+https://example.org/ckpt_offload.git@v0.1.0"),
+     '"commit_id": "abc"}}', "git+https://example.org/ckpt_offload.git@abc"),
+    # Installed from a branch's head: the commit it had then, not whatever the branch holds now.
+    ('{"url": "https://example.org/ckpt_offload.git", "vcs_info": {"vcs": "git", "commit_id": "0123abcd"}}',
+     "git+https://example.org/ckpt_offload.git@0123abcd"),
     ('{"url": "file:///dl/ckpt_offload-0.1.0.tar.gz", "archive_info": {}}', "/dl/ckpt_offload-0.1.0.tar.gz"),
     # A built wheel would come back as the same build: no source named.
     ('{"url": "file:///dl/ckpt_offload-0.1.0-cp311-linux_x86_64.whl", "archive_info": {}}',
@@ -133,3 +138,30 @@ def test_in_a_checkout_the_rebuild_is_the_in_place_build():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert _loader.source_checkout() == os.path.dirname(os.path.dirname(os.path.abspath(_loader.__file__))) == root
     assert _loader.rebuild_command() == f"pip install --no-build-isolation -e .   (in {root})"
+
+
+def test_a_source_folder_in_front_of_an_installed_copy_says_so(tmp_path):
+    """Python started in a clone's root imports the clone's package, not the copy pip installed. With no
+    build in the clone that import fails; the error names both folders and says to run from elsewhere."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.join(root, "ckpt_offload")
+    clone, site = tmp_path / "clone", tmp_path / "site"
+    copy = shutil.ignore_patterns("_C.*", "_build_info.py", "__pycache__")
+    shutil.copytree(package, clone / "ckpt_offload", ignore=copy)
+    (clone / "csrc").mkdir()
+    (clone / "setup.py").write_text("")
+    # Stands in for site-packages: the package with its build.
+    shutil.copytree(package, site / "ckpt_offload", ignore=shutil.ignore_patterns("__pycache__"))
+    # -S: no .pth files, so no editable install's finder fills in ckpt_offload._C; torch comes from its folder.
+    path = os.pathsep.join([str(site), os.path.dirname(os.path.dirname(torch.__file__))])
+    env = dict(os.environ, PYTHONPATH=path)
+    run = subprocess.run([sys.executable, "-S", "-c", "import ckpt_offload"], cwd=clone, capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode != 0
+    assert (f"imported from the source folder {clone}, which has no build of ckpt_offload._C, and not from the "
+            f"copy installed at {site / 'ckpt_offload'}") in run.stderr, run.stderr
+    assert "run from another directory" in run.stderr
+    # From another folder the same path reaches the installed copy.
+    elsewhere = subprocess.run([sys.executable, "-S", "-c", "import ckpt_offload; print(ckpt_offload._C.__file__)"],
+                               cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert elsewhere.stdout.strip().startswith(str(site / "ckpt_offload" / "_C.")), elsewhere.stderr

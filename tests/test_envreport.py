@@ -1,6 +1,7 @@
 """`python -m ckpt_offload env`: the report's keys and types, host memory read through hostmem's
 paths (a stand-in /proc and /sys), the settings it picks up, the JSON a subprocess prints, a GPU's
 PCIe link from a stand-in sysfs, and a report that still comes when the compiled core does not load."""
+import contextlib
 import glob
 import importlib.machinery
 import json
@@ -148,6 +149,21 @@ def test_a_build_for_another_torch_is_reported(tmp_path):
     assert b["loaded"] is False and b["matches_torch"] is False
     assert b["record"] == {"torch_version": "2.11.0+cu128", "with_cuda": True, "cuda_version": "12.8"}
     assert f"built for torch 2.11.0+cu128 but torch {torch.__version__} is installed" in b["error"]
+
+
+@pytest.mark.parametrize("argv0, name", [
+    ("/venv/bin/ckpt-offload", "ckpt-offload"),
+    (os.path.join(ROOT, "ckpt_offload", "__main__.py"), "python -m ckpt_offload"),
+])
+def test_usage_names_the_command_as_it_was_typed(monkeypatch, capsys, argv0, name):
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    assert dispatcher.main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {name} <command> [options]") and f"`{name} <command> --help`" in out, out
+    for command in ("env", "estimate"):
+        with contextlib.suppress(SystemExit):  # argparse's exit, or the command's return code
+            dispatcher.main([command, "--help"])
+        assert capsys.readouterr().out.startswith(f"usage: {name} {command} "), command
 
 
 def test_a_missing_command_module_is_a_clear_error(monkeypatch, capsys):
