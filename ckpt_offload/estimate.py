@@ -60,7 +60,11 @@ class _Live(LiveBytes):
             # A value read on the meta device (transformers asks whether a mask has padding, or whether
             # sequences are packed: `(...).all()`): true for a flag, zero for a number.
             return True if args[0].dtype == torch.bool else 0
-        out = func(*args, **kwargs)
+        if func._overloadpacket is torch.ops.aten._grouped_mm and args[0].device.type == "meta" \
+                and args[0].dtype not in (torch.bfloat16, torch.float16):
+            out = _grouped_mm_shape(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         count = self._flops.get(func._overloadpacket)
         if count is not None:
             try:
@@ -69,6 +73,15 @@ class _Live(LiveBytes):
                 pass  # a formula that does not take this overload's arguments: no FLOPs counted
         self.add(tree_leaves(out))
         return out
+
+
+def _grouped_mm_shape(func, args, kwargs):
+    """The output of a meta `_grouped_mm` in a dtype its meta function refuses (fp32, which the CPU
+    and GPU kernels run): its shape from the same operands in bf16, its dtype theirs."""
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    shape = func(*cast, **{k: v for k, v in kwargs.items() if k != "out_dtype"}).shape
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def default_attention(dtype, head_dim, has_mask) -> str:
@@ -388,10 +401,13 @@ class MemoryEstimate:
         seq (int | None): the sequence length of the inputs (dimension 1 of the first input).
         batch (int | None): their batch size (dimension 0).
         attention (list[str]): the SDPA backends counted (empty for a model without SDPA calls).
+        max_seq (int | None): the most positions the model takes (its config's
+            `max_position_embeddings` or `n_positions`), which caps `longest_fitting`; None when it
+            names none.
     """
 
     def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None,
-                 quadratic=False):
+                 quadratic=False, max_seq=None):
         self.cost_model = cost_model
         self.extra_bytes = int(extra_bytes)  # optimizer states: on the device through the whole step
         self.parts = dict(parts)
@@ -400,6 +416,7 @@ class MemoryEstimate:
         self.attention = sorted(attention)
         self._resize = resize  # seq -> MemoryEstimate, for longest_fitting
         self._quadratic = quadratic  # a kernel kept an explicit [s, s] mask
+        self.max_seq = max_seq
         n = cost_model.n
         self.modes = {
             "none": ["none"] * n,
@@ -508,7 +525,7 @@ class MemoryEstimate:
         memory-efficient kernel keeps: a sliding window's); two, and a line, where the attention
         counted is flash, or memory-efficient without a mask. The longest `s` within both budgets is read off the fit, and
         made consistent with this estimate at its own length (it fits there exactly when the
-        longest is at least this length).
+        longest is at least this length). No longer than `max_seq`, the positions the model takes.
 
         Args:
             device_bytes: the device memory a step may reach.
@@ -530,8 +547,11 @@ class MemoryEstimate:
         lengths = sorted(lengths)
         ests = {s: (self if s == s0 else self._resize(s)) for s in lengths}
 
-        def within(m, fit_peak, fit_host):
-            return _largest(lambda x: fit_peak(x) <= device_bytes and (host_bytes is None or fit_host(x) <= host_bytes))
+        cap = self.max_seq or 1 << 40
+
+        def within(fit_peak, fit_host):
+            return _largest(lambda x: fit_peak(x) <= device_bytes and (host_bytes is None or fit_host(x) <= host_bytes),
+                            limit=cap)
 
         def fits(m, x):
             if x not in ests:
@@ -541,32 +561,36 @@ class MemoryEstimate:
 
         out = {}
         for m in MODES:
-            s = within(m, _fit([(x, ests[x].peak_bytes[m]) for x in lengths]),
+            s = within(_fit([(x, ests[x].peak_bytes[m]) for x in lengths]),
                        _fit([(x, ests[x].host_bytes[m]) for x in lengths]))
             if len(lengths) == 3:
                 # Quadratic terms: the peak is the largest of several phases' (the forward's, the
                 # backward's, the loss's), each a quadratic of its own, so a fit far from the lengths
                 # measured can miss. Estimates at the lengths the fit points to settle it.
                 out[m] = _settled(s, ests, lambda x, m=m: fits(m, x), lambda pts, m=m: within(
-                    m, _fit([(x, ests[x].peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])))
+                    _fit([(x, ests[x].peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])),
+                    cap)
                 continue
             out[m] = max(s, s0) if fits(m, s0) else min(s, s0 - 1)
+        if self.max_seq:
+            out = {m: min(s, self.max_seq) for m, s in out.items()}
         return out
 
 
-def _settled(guess, ests, fits, refit, steps=12):
+def _settled(guess, ests, fits, refit, cap, steps=12):
     """The longest length that fits, checked by estimates: lo (fits) and hi (does not) close in
     from the lengths already estimated (ests), each next length read off the quadratic through the
-    three estimated nearest to it (refit), else halfway, until hi is within 1% of lo. Returns lo,
-    which an estimate found to fit (0: not even length 1)."""
+    three estimated nearest to it (refit), else halfway, until hi is within 1% of lo or lo reaches
+    cap. Returns lo, which an estimate found to fit (0: not even length 1)."""
     lo = max((x for x in ests if fits(x)), default=0)
     hi = min((x for x in ests if not fits(x)), default=None)
     s = guess
     for _ in range(steps):
-        if hi is not None and hi - lo <= max(1, lo // 100):
+        if lo >= cap or hi is not None and hi - lo <= max(1, lo // 100):
             break
         if s <= lo or (hi is not None and s >= hi):
             s = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
+        s = min(s, cap)
         if fits(s):
             lo = s
         else:
@@ -643,7 +667,9 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         optimizer: `"adamw"` (two fp32 states per trainable element), `"sgd"` (its momentum, one),
             or None.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
-            squared output).
+            squared output). A transformers model that takes `labels` and is given none is sized
+            with `labels=input_ids`: its own causal-LM loss, as `python -m ckpt_offload estimate`
+            counts it.
         attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
             the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
             (see `default_attention`). Models in eager attention are counted as they run.
@@ -677,7 +703,48 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(f"estimate_memory: no repeated blocks found in {type(model).__name__}")
+    if loss_fn is None:
+        example_inputs = _with_labels(model, example_inputs)
+    if _container_of(model, blocks) is None:
+        blocks = _blocks_that_run(model, blocks, example_inputs)
     return _estimate(model, blocks, example_inputs, optimizer, loss_fn, attention)
+
+
+def _with_labels(model, inputs):
+    """A transformers model that takes `labels`, given none: the inputs with labels=input_ids, so
+    that the loss counted is the model's own (its causal-LM cross-entropy over fp32 logits), as
+    `python -m ckpt_offload estimate` counts it, not the mean of the squared logits."""
+    import inspect
+
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        return inputs
+    try:
+        params = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind_partial(*inputs) if isinstance(inputs, tuple) else None
+    except (TypeError, ValueError):
+        return inputs
+    if "labels" not in params:
+        return inputs
+    kwargs = dict(bound.arguments) if bound is not None else dict(inputs)
+    ids = kwargs.get("input_ids")
+    if kwargs.get("labels") is not None or not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+        return inputs
+    return {**kwargs, "labels": ids}
+
+
+def _blocks_that_run(model, blocks, inputs):
+    """The blocks a forward on these inputs runs, when they lie in several containers: a
+    vision-language model's vision layers do not run on text alone, and a block that does not run
+    has no hidden states to measure. One forward on meta, without gradients, finds them."""
+    ran = set()
+    handles = [b.register_forward_pre_hook(lambda m, args: ran.add(id(m))) for b in blocks]
+    try:
+        with torch.no_grad(), training_mode(model), _Live():
+            _call(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [b for b in blocks if id(b) in ran] or blocks
 
 
 def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
@@ -767,4 +834,16 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
         return _estimate(model, blocks, _resized(inputs, seq, new_seq), optimizer, loss_fn, attention)
 
     return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=att.seen,
-                          resize=resize if seq else None, quadratic=att.masked)
+                          resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model))
+
+
+def _max_positions(model):
+    """The most positions the model takes, from its config (or its text model's), or None."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        for c in (cfg, getattr(cfg, "text_config", None)):
+            for key in ("max_position_embeddings", "n_positions"):
+                v = getattr(c, key, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+    return None

@@ -148,3 +148,106 @@ def test_gpt2_block_with_dropout_keeps_what_korthikanti_counts():
         assert kept["none"][i] == pytest.approx(formula, rel=0.05), (kept["none"], formula)
         assert kept["checkpoint"][i] == 2 * s * b * h
     assert kept["checkpoint"][0] == 2 * s * b * h + b * s * s * 2
+
+
+# -- 9: valid models it could not size ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_experts_in_fp32_are_sized_and_match_the_cpu_step(kind, test_cpu, one_thread):
+    # torch's meta _grouped_mm takes bf16 and fp16 only; the CPU (and GPU) kernels run fp32 too.
+    from test_estimate import check_all_modes
+    from tiny_gpt import make_batch
+
+    small = dict(COMMON, num_hidden_layers=3, max_position_embeddings=256)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **small)
+    else:
+        cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          head_dim=16, **small)
+    cfg._attn_implementation = "sdpa"
+    x = make_batch(batch=2, seq=64, vocab=256)
+
+    def build(device):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+    est = check_all_modes(build, {"input_ids": x, "labels": x}, None, attention="flash")
+    assert est.parts["checkpoint_input_bytes"] == 3 * 2 * 64 * 64 * 4
+
+
+def test_gemma3_vision_language_text_only_step_measures_the_text_layers():
+    # find_repeated_blocks finds the SigLIP layers and the text layers; on text alone only the text
+    # layers run, and they are the ones measured.
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         sliding_window=64),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=64, patch_size=16),
+        mm_tokens_per_image=4, image_token_index=500)
+    model = meta_model(cfg, "sdpa", torch.bfloat16)
+    assert len(ckpt_offload.find_repeated_blocks(model)) == 6
+    est = estimate_memory(model, {"input_ids": ids(2, 128), "labels": ids(2, 128)})
+    assert est.cost_model.n == 4
+    assert est.parts["checkpoint_input_bytes"] == 4 * 2 * 128 * 64 * 2
+    assert est.peak_bytes["none"] > est.peak_bytes["checkpoint"] > est.peak_bytes["checkpoint+offload"]
+
+
+def run_cli(capsys, tmp_path, config, *args):
+    from ckpt_offload.estimate_cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    rc = main(["--config", str(path), *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_an_encoder_decoder_config_gets_one_short_error(tmp_path, capsys):
+    t5 = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": 64, "d_ff": 128,
+          "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 256}
+    rc, out, err = run_cli(capsys, tmp_path, t5, "--seq", "64", "--device-memory", "8GiB", "--host-memory", "1TiB")
+    assert rc == 2 and out == ""
+    assert "'t5'" in err and "decoder-only" in err
+    assert "LlamaConfig" not in err and len(err) < 400, err  # not the list of every class transformers knows
+
+
+def test_longest_sequence_is_capped_at_the_positions_the_model_takes(tmp_path, capsys):
+    bert = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 512,
+            "torch_dtype": "float32"}
+    rc, out, err = run_cli(capsys, tmp_path, bert, "--seq", "256", "--device-memory", "80GiB", "--host-memory",
+                           "1TiB", "--json")
+    assert rc == 0, err
+    out = json.loads(out)
+    assert out["max_seq"] == 512
+    assert all(row["longest_seq"] == 512 for row in out["modes"].values())
+    rc, table, err = run_cli(capsys, tmp_path, bert, "--seq", "256", "--device-memory", "80GiB", "--host-memory",
+                             "1TiB")
+    assert "at most the 512 positions the model takes" in table
+
+
+# -- 10: the Python API and the command count the same loss -------------------------------------------
+
+
+def test_api_without_labels_counts_the_loss_the_command_counts(tmp_path, capsys):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    rc, out, err = run_cli(capsys, tmp_path, config, "--seq", "2048", "--device-memory", "8GiB", "--host-memory",
+                           "1TiB", "--json")
+    assert rc == 0, err
+    cli = json.loads(out)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json")), dtype=torch.bfloat16)
+    x = ids(1, 2048)
+    for inputs in ((x,), {"input_ids": x}, {"input_ids": x, "labels": x}):
+        api = estimate_memory(model, inputs)
+        assert api.parts == cli["parts"]
+        for m in api.peak_bytes:
+            assert api.peak_bytes[m] == cli["modes"][m]["device_peak_bytes"], (inputs, m)
+    # a loss of one's own is counted as given
+    own = estimate_memory(model, (x,), loss_fn=lambda out: out.logits.float().square().mean())
+    assert own.peak_bytes["checkpoint"] != cli["modes"]["checkpoint"]["device_peak_bytes"]
