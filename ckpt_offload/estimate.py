@@ -60,7 +60,11 @@ class _Live(LiveBytes):
             # A value read on the meta device (transformers asks whether a mask has padding, or whether
             # sequences are packed: `(...).all()`): true for a flag, zero for a number.
             return True if args[0].dtype == torch.bool else 0
-        out = func(*args, **kwargs)
+        if func._overloadpacket is torch.ops.aten._grouped_mm and args[0].device.type == "meta" \
+                and args[0].dtype not in (torch.bfloat16, torch.float16):
+            out = _grouped_mm_shape(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         count = self._flops.get(func._overloadpacket)
         if count is not None:
             try:
@@ -69,6 +73,15 @@ class _Live(LiveBytes):
                 pass  # a formula that does not take this overload's arguments: no FLOPs counted
         self.add(tree_leaves(out))
         return out
+
+
+def _grouped_mm_shape(func, args, kwargs):
+    """The output of a meta `_grouped_mm` in a dtype its meta function refuses (fp32, which the CPU
+    and GPU kernels run): its shape from the same operands in bf16, its dtype theirs."""
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    shape = func(*cast, **{k: v for k, v in kwargs.items() if k != "out_dtype"}).shape
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def default_attention(dtype, head_dim, has_mask) -> str:
@@ -93,6 +106,9 @@ class _Attention:
     def __init__(self, attention):
         self.attention = attention
         self.seen = set()
+        # An explicit mask kept by a kernel that keeps no probabilities: its [s, s] grows with the
+        # square of the length (a sliding window's, a padded batch's), so the fit takes three lengths.
+        self.masked = False
         self._original = None
 
     def __enter__(self):
@@ -109,6 +125,7 @@ class _Attention:
         if backend == "flash" and mask is not None:
             backend = "efficient"  # flash takes no mask
         self.seen.add(backend)
+        self.masked = self.masked or mask is not None
         if backend == "math" or q.device.type != "meta":
             return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, enable_gqa=enable_gqa)
@@ -125,23 +142,83 @@ class _Attention:
                                                                       scale=scale)[0]
 
 
-def _signature(block):
+# Attributes by which transformers' layers (or their attention modules) say which attention they run:
+# sliding-window and full layers have the same weights but not the same mask.
+_KIND_ATTRS = ("attention_type", "layer_type", "sliding_window", "is_sliding", "use_sliding_window")
+
+
+class _Dropout:
+    """Routes F.dropout on the meta device to the fused kernel a CUDA GPU runs, which keeps a 1-byte
+    mask for the backward: the composite path that meta (and the CPU) take keeps a noise tensor of
+    the input's dtype instead. Looked up at each call by torch's modules and transformers', as
+    `_Attention` is."""
+
+    def __enter__(self):
+        self._original = torch.nn.functional.dropout
+        torch.nn.functional.dropout = self
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.dropout = self._original
+
+    def __call__(self, input, p=0.5, training=True, inplace=False):
+        if input.device.type != "meta" or not training or inplace or not 0.0 < p < 1.0:
+            return self._original(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+
+def _signature(block, position_kind=None):
     params = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
-    kind = tuple(getattr(block, a, None) for a in ("attention_type", "sliding_window", "is_sliding"))
-    return (type(block), params, repr(kind))
+    kind = tuple((name, a, repr(getattr(m, a))) for name, m in block.named_modules()
+                 for a in _KIND_ATTRS if isinstance(getattr(m, a, None), (str, int, bool, type(None)))
+                 and hasattr(m, a))
+    return (type(block), params, kind, position_kind)
 
 
-def _representatives(blocks):
+def _position_configs(model, n):
+    """The configs (the model's and its sub-models') whose `layer_types` name each of the n blocks'
+    attention by position: transformers' hybrid models pick a layer's mask as
+    `config.layer_types[i]` for the i-th layer they run, not from the layer."""
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        for c in (cfg, *(getattr(cfg, k, None) for k in ("text_config", "decoder"))):
+            types = getattr(c, "__dict__", {}).get("layer_types")
+            if isinstance(types, (list, tuple)) and len(types) == n and all(c is not o for o in out):
+                out.append(c)
+    return out
+
+
+def _representatives(blocks, kinds=None):
     """The blocks measured (indices, in order) and, per block, the measured one it takes its figures
-    from: the first and the last as themselves, the others from the first of their kind after block 0."""
+    from: the first and the last as themselves, the others from the first of their kind after block 0.
+    kinds: per block, what else tells blocks of one class apart (the attention its position gets)."""
     n = len(blocks)
-    sigs = [_signature(b) for b in blocks]
+    kinds = kinds or [None] * n
+    sigs = [_signature(b, k) for b, k in zip(blocks, kinds)]
     first = {}
     for i in range(1, n):
         first.setdefault(sigs[i], i)
     chosen = sorted({0, n - 1, *first.values()})
     source = [i if i in (0, n - 1) else first[sigs[i]] for i in range(n)]
     return chosen, source
+
+
+@contextlib.contextmanager
+def _positions(configs, chosen):
+    """The configs' `layer_types` those of the blocks measured, in their order: the cut-down
+    container numbers them 0..k-1, and each must get the mask of its own position."""
+    saved = [c.__dict__.get("layer_types") for c in configs]
+    try:
+        for c, types in zip(configs, saved):
+            c.__dict__["layer_types"] = type(types)(types[i] for i in chosen)
+        yield
+    finally:
+        for c, types in zip(configs, saved):
+            c.__dict__["layer_types"] = types
 
 
 def _container_of(model, blocks):
@@ -180,19 +257,23 @@ def _call(model, inputs):
 
 
 class _InputSaves:
-    """Saved-tensor hooks around the step: what is saved while a checkpointed block's forward runs
-    outside torch's own checkpoint hooks is the checkpoint's inputs (what an offload sends)."""
+    """Saved-tensor hooks around the step: what a checkpoint saves of its inputs (torch's
+    `_CheckpointFrame.save_inputs`, under the hooks outside it: what an offload sends), given to the
+    block whose forward ends next. Where transformers puts its checkpoint call does not matter: inside
+    the layer's forward (after the block's hooks) or around its `__call__` (before them), the inputs are
+    saved after the previous block's forward ended and before this one's does."""
 
     def __init__(self, blocks):
         self.blocks = blocks
-        self.current = None
+        self.saving = False
+        self.pending = 0
         self.host = [0] * len(blocks)
         self.handles = []
 
     def pack(self, t):
-        if self.current is not None and not torch.jit.is_scripting():
+        if self.saving and not torch.jit.is_scripting():
             if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t):
-                self.host[self.current] += t.numel() * t.element_size()
+                self.pending += t.numel() * t.element_size()
         return t
 
     def _is_weight(self, t):
@@ -200,31 +281,45 @@ class _InputSaves:
         return isinstance(base, nn.Parameter) or base.untyped_storage()._cdata in self.weights
 
     def __enter__(self):
+        from torch.utils import checkpoint as tuc
+
         from .midpoints import _in_backward
 
         self.weights = set()
         for b in self.blocks:
             for p in [*b.parameters(), *b.buffers()]:
                 self.weights.add(p.untyped_storage()._cdata)
+        frame = tuc._CheckpointFrame
+        self._save_inputs = original = frame.save_inputs
+        saves = self
 
-        def pre(i):
-            def hook(module, args, kwargs=None):
-                if not _in_backward() and torch.is_grad_enabled():
-                    self.current = i
+        def save_inputs(frame_self, *args):
+            saves.saving = True
+            try:
+                return original(frame_self, *args)
+            finally:
+                saves.saving = False
+
+        frame.save_inputs = save_inputs
+
+        def post(i):
+            def hook(module, args, out):
+                if not _in_backward():
+                    self.host[i] += self.pending
+                    self.pending = 0
             return hook
 
-        def post(module, args, out):
-            self.current = None
-
         for i, b in enumerate(self.blocks):
-            self.handles.append(b.register_forward_pre_hook(pre(i)))
-            self.handles.append(b.register_forward_hook(post))
+            self.handles.append(b.register_forward_hook(post(i)))
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
+        from torch.utils import checkpoint as tuc
+
         self.hooks.__exit__(*exc)
+        tuc._CheckpointFrame.save_inputs = self._save_inputs
         for h in self.handles:
             h.remove()
 
@@ -265,7 +360,7 @@ def _measure(model, blocks, inputs, loss_fn, attention):
         return loss_fn(out)
 
     disable_checkpointing(model)
-    with training_mode(model), att:
+    with training_mode(model), att, _Dropout():
         for m in ("none", "checkpoint"):
             if m != "none":
                 enable_block_modes(model, [m] * n, layers=blocks)
@@ -283,7 +378,7 @@ def _measure(model, blocks, inputs, loss_fn, attention):
                 disable_checkpointing(model)
             if m == "checkpoint":
                 host = saves.host
-    return probes, host, flops, logits[0], att.seen
+    return probes, host, flops, logits[0], att
 
 
 class MemoryEstimate:
@@ -306,9 +401,13 @@ class MemoryEstimate:
         seq (int | None): the sequence length of the inputs (dimension 1 of the first input).
         batch (int | None): their batch size (dimension 0).
         attention (list[str]): the SDPA backends counted (empty for a model without SDPA calls).
+        max_seq (int | None): the most positions the model takes (its config's
+            `max_position_embeddings` or `n_positions`), which caps `longest_fitting`; None when it
+            names none.
     """
 
-    def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None):
+    def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None,
+                 quadratic=False, max_seq=None):
         self.cost_model = cost_model
         self.extra_bytes = int(extra_bytes)  # optimizer states: on the device through the whole step
         self.parts = dict(parts)
@@ -316,6 +415,8 @@ class MemoryEstimate:
         self.batch = batch
         self.attention = sorted(attention)
         self._resize = resize  # seq -> MemoryEstimate, for longest_fitting
+        self._quadratic = quadratic  # a kernel kept an explicit [s, s] mask
+        self.max_seq = max_seq
         n = cost_model.n
         self.modes = {
             "none": ["none"] * n,
@@ -420,10 +521,11 @@ class MemoryEstimate:
 
         Three estimates (this one, at half and at a quarter of its length) fit each mode's peak and
         host bytes as `a + b*s + c*s^2` (the quadratic term from attention that keeps its
-        probabilities: math SDPA, eager attention); two, and a line, where the attention counted is
-        flash or memory-efficient. The longest `s` within both budgets is read off the fit, and
+        probabilities: math SDPA, eager attention; or an explicit `[s, s]` mask that the
+        memory-efficient kernel keeps: a sliding window's); two, and a line, where the attention
+        counted is flash, or memory-efficient without a mask. The longest `s` within both budgets is read off the fit, and
         made consistent with this estimate at its own length (it fits there exactly when the
-        longest is at least this length).
+        longest is at least this length). No longer than `max_seq`, the positions the model takes.
 
         Args:
             device_bytes: the device memory a step may reach.
@@ -438,20 +540,63 @@ class MemoryEstimate:
             return {m: None for m in MODES}
         s0 = self.seq
         lengths = {s0, max(1, s0 // 2), max(1, s0 // 4)}
-        if self.attention and "math" not in self.attention:
-            # Attention that keeps no probabilities: every term is linear in the length; two suffice.
+        if self.attention and "math" not in self.attention and not self._quadratic:
+            # Attention that keeps no probabilities and no mask: every term is linear in the length;
+            # two suffice.
             lengths = {s0, max(1, s0 // 2)}
         lengths = sorted(lengths)
         ests = {s: (self if s == s0 else self._resize(s)) for s in lengths}
+
+        cap = self.max_seq or 1 << 40
+
+        def within(fit_peak, fit_host):
+            return _largest(lambda x: fit_peak(x) <= device_bytes and (host_bytes is None or fit_host(x) <= host_bytes),
+                            limit=cap)
+
+        def fits(m, x):
+            if x not in ests:
+                ests[x] = self._resize(x)
+            e = ests[x]
+            return e.peak_bytes[m] <= device_bytes and (host_bytes is None or e.host_bytes[m] <= host_bytes)
+
         out = {}
         for m in MODES:
-            peak = _fit([(s, ests[s].peak_bytes[m]) for s in lengths])
-            host = _fit([(s, ests[s].host_bytes[m]) for s in lengths])
-            s = _largest(lambda x, peak=peak, host=host: peak(x) <= device_bytes
-                         and (host_bytes is None or host(x) <= host_bytes))
-            fits_here = self.peak_bytes[m] <= device_bytes and (host_bytes is None or self.host_bytes[m] <= host_bytes)
-            out[m] = max(s, s0) if fits_here else min(s, s0 - 1)
+            s = within(_fit([(x, ests[x].peak_bytes[m]) for x in lengths]),
+                       _fit([(x, ests[x].host_bytes[m]) for x in lengths]))
+            if len(lengths) == 3:
+                # Quadratic terms: the peak is the largest of several phases' (the forward's, the
+                # backward's, the loss's), each a quadratic of its own, so a fit far from the lengths
+                # measured can miss. Estimates at the lengths the fit points to settle it.
+                out[m] = _settled(s, ests, lambda x, m=m: fits(m, x), lambda pts, m=m: within(
+                    _fit([(x, ests[x].peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])),
+                    cap)
+                continue
+            out[m] = max(s, s0) if fits(m, s0) else min(s, s0 - 1)
+        if self.max_seq:
+            out = {m: min(s, self.max_seq) for m, s in out.items()}
         return out
+
+
+def _settled(guess, ests, fits, refit, cap, steps=12):
+    """The longest length that fits, checked by estimates: lo (fits) and hi (does not) close in
+    from the lengths already estimated (ests), each next length read off the quadratic through the
+    three estimated nearest to it (refit), else halfway, until hi is within 1% of lo or lo reaches
+    cap. Returns lo, which an estimate found to fit (0: not even length 1)."""
+    lo = max((x for x in ests if fits(x)), default=0)
+    hi = min((x for x in ests if not fits(x)), default=None)
+    s = guess
+    for _ in range(steps):
+        if lo >= cap or hi is not None and hi - lo <= max(1, lo // 100):
+            break
+        if s <= lo or (hi is not None and s >= hi):
+            s = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
+        s = min(s, cap)
+        if fits(s):
+            lo = s
+        else:
+            hi = s
+        s = refit(sorted(ests, key=lambda x: abs(x - s))[:3])
+    return lo
 
 
 def _fit(points):
@@ -522,7 +667,9 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         optimizer: `"adamw"` (two fp32 states per trainable element), `"sgd"` (its momentum, one),
             or None.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
-            squared output).
+            squared output). A transformers model that takes `labels` and is given none is sized
+            with `labels=input_ids`: its own causal-LM loss, as `python -m ckpt_offload estimate`
+            counts it.
         attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
             the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
             (see `default_attention`). Models in eager attention are counted as they run.
@@ -556,7 +703,48 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(f"estimate_memory: no repeated blocks found in {type(model).__name__}")
+    if loss_fn is None:
+        example_inputs = _with_labels(model, example_inputs)
+    if _container_of(model, blocks) is None:
+        blocks = _blocks_that_run(model, blocks, example_inputs)
     return _estimate(model, blocks, example_inputs, optimizer, loss_fn, attention)
+
+
+def _with_labels(model, inputs):
+    """A transformers model that takes `labels`, given none: the inputs with labels=input_ids, so
+    that the loss counted is the model's own (its causal-LM cross-entropy over fp32 logits), as
+    `python -m ckpt_offload estimate` counts it, not the mean of the squared logits."""
+    import inspect
+
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        return inputs
+    try:
+        params = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind_partial(*inputs) if isinstance(inputs, tuple) else None
+    except (TypeError, ValueError):
+        return inputs
+    if "labels" not in params:
+        return inputs
+    kwargs = dict(bound.arguments) if bound is not None else dict(inputs)
+    ids = kwargs.get("input_ids")
+    if kwargs.get("labels") is not None or not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+        return inputs
+    return {**kwargs, "labels": ids}
+
+
+def _blocks_that_run(model, blocks, inputs):
+    """The blocks a forward on these inputs runs, when they lie in several containers: a
+    vision-language model's vision layers do not run on text alone, and a block that does not run
+    has no hidden states to measure. One forward on meta, without gradients, finds them."""
+    ran = set()
+    handles = [b.register_forward_pre_hook(lambda m, args: ran.add(id(m))) for b in blocks]
+    try:
+        with torch.no_grad(), training_mode(model), _Live():
+            _call(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [b for b in blocks if id(b) in ran] or blocks
 
 
 def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
@@ -567,7 +755,9 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     for p in trainable:
         if p.grad is None:
             p.grad = torch.empty_like(p)  # kept allocated, as in a steady-state step
-    chosen, source = _representatives(blocks)
+    configs = _position_configs(model, n)
+    kinds = [tuple(c.layer_types[i] for c in configs) for i in range(n)] if configs else None
+    chosen, source = _representatives(blocks, kinds)
     container = _container_of(model, blocks) if len(chosen) < n else None
     if container is None:
         chosen, source = list(range(n)), list(range(n))
@@ -575,17 +765,18 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     try:
         full_static = _static_bytes(model, [*params, *(p.grad for p in trainable)])
         try:
-            with _only(container, subset) if container is not None else contextlib.nullcontext():
+            with (_only(container, subset) if container is not None else contextlib.nullcontext()), \
+                    _positions(configs if container is not None else [], chosen):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+                probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, inputs, loss_fn, attention)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
-            probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+            probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, inputs, loss_fn, attention)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -642,5 +833,17 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     def resize(new_seq):
         return _estimate(model, blocks, _resized(inputs, seq, new_seq), optimizer, loss_fn, attention)
 
-    return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=seen,
-                          resize=resize if seq else None)
+    return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=att.seen,
+                          resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model))
+
+
+def _max_positions(model):
+    """The most positions the model takes, from its config (or its text model's), or None."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        for c in (cfg, getattr(cfg, "text_config", None)):
+            for key in ("max_position_embeddings", "n_positions"):
+                v = getattr(c, key, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+    return None

@@ -134,7 +134,15 @@ def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto"):
     dtype = getattr(torch, _DTYPES[dtype_name])
     cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            # transformers lists every class it knows here (some 200): say what matters instead.
+            raise ValueError(f"model_type {cfg.model_type!r} ({type(cfg).__name__}) has no causal language model "
+                             f"in transformers (AutoModelForCausalLM); the estimate sizes decoder-only language "
+                             f"models (an encoder-decoder such as T5 is not one)") from None
         if lora_rank:
             model = _lora(model, lora_rank)
     return model, name, dtype
@@ -195,14 +203,15 @@ def run(args, progress=None):
             modes["plan"] = dict(device_peak_bytes=plan.predicted_peak_bytes,
                                  host_bytes_per_rank=plan.predicted_host_bytes,
                                  host_bytes_per_node=plan.predicted_host_bytes * ranks, fits=True,
-                                 longest_seq=max(args.seq, *(longest[m] for m in MODES)),
+                                 longest_seq=min(max(args.seq, *(longest[m] for m in MODES)),
+                                                 est.max_seq or 1 << 62),
                                  blocks=_runs(plan.modes))
         except ValueError:
             low = min(MODES, key=lambda m: est.peak_bytes[m])
             modes["plan"] = dict(modes[low], fits=False, blocks=_runs(est.modes[low]))
     return {"model": name, "seq": args.seq, "batch": args.batch, "dtype": str(dtype).replace("torch.", ""),
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
-            "ranks_per_node": ranks,
+            "ranks_per_node": ranks, "max_seq": est.max_seq,
             "attention": est.attention, "modes": modes, "parts": est.parts}
 
 
@@ -235,6 +244,11 @@ def format_report(r) -> str:
         longest = "-" if row["longest_seq"] is None else str(row["longest_seq"])
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
                      f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}")
+    cap = r.get("max_seq")
+    if cap and any(row is not None and row["longest_seq"] == cap for row in r["modes"].values()):
+        lines.append(f"longest seq: at most the {cap} positions the model takes (its max_position_embeddings)")
+    if cap and r["seq"] > cap:
+        lines.append(f"--seq {r['seq']} is past the {cap} positions the model takes")
     plan = r["modes"].get("plan")
     if plan is not None:
         lines.append(f"plan: {plan['blocks']}" + ("" if plan["fits"] else " (the smallest peak; nothing fits)"))
@@ -271,7 +285,7 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as e:
         return _fail(f"--config {args.config!r}: {e}")
     if args.json:
-        out = {k: report[k] for k in ("model", "seq", "batch", "device_margin_bytes")}
+        out = {k: report[k] for k in ("model", "seq", "batch", "max_seq", "device_margin_bytes")}
         out["modes"] = {m: (None if row is None else {k: row[k] for k in (
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}

@@ -253,7 +253,8 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
             "--margin", "0", "--host-memory", "64GiB", "--ranks-per-node", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"model", "seq", "batch", "device_margin_bytes", "modes", "parts"}
+    assert set(out) == {"model", "seq", "batch", "max_seq", "device_margin_bytes", "modes", "parts"}
+    assert out["max_seq"] == 4096
     assert out["device_margin_bytes"] == 0
     assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2
     assert set(out["modes"]) == {"none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"}
@@ -403,7 +404,7 @@ def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeyp
     chosen, _ = estimate._representatives(ckpt_offload.find_repeated_blocks(model))
     assert chosen == [0, 1, 6]
     few = estimate_memory(model, {"input_ids": ids, "labels": ids})
-    monkeypatch.setattr(estimate, "_representatives", lambda blocks: (list(range(len(blocks))), list(range(len(blocks)))))
+    monkeypatch.setattr(estimate, "_representatives", lambda blocks, kinds=None: (list(range(len(blocks))), list(range(len(blocks)))))
     every = estimate_memory(model, {"input_ids": ids, "labels": ids})
     assert few.peak_bytes == every.peak_bytes and few.host_bytes == every.host_bytes and few.parts == every.parts
 
