@@ -21,13 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from . import planner as _planner
+from . import recipe as _recipe
 from .testing import LiveBytes
 from .model import disable_checkpointing, enable_block_modes, find_repeated_blocks
 from .training import training_mode
 
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
 ATTENTION = ("flash", "efficient", "math")
-OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, None: 0, "none": 0}  # device bytes per trainable element
 # Times in the cost model: FLOPs at a nominal rate, copies at a nominal PCIe rate. They rank plans;
 # they are not a prediction of a step's time on any device.
 _NOMINAL_FLOPS_PER_MS = 2e11  # 200 TFLOP/s
@@ -245,7 +245,7 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, blocks, inputs, loss_fn, attention):
+def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
     "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
     logits bytes and the attention backends used."""
@@ -265,7 +265,7 @@ def _measure(model, blocks, inputs, loss_fn, attention):
         return loss_fn(out)
 
     disable_checkpointing(model)
-    with training_mode(model), att:
+    with training_mode(model), att, head_loss or contextlib.nullcontext():
         for m in ("none", "checkpoint"):
             if m != "none":
                 enable_block_modes(model, [m] * n, layers=blocks)
@@ -283,6 +283,8 @@ def _measure(model, blocks, inputs, loss_fn, attention):
                 disable_checkpointing(model)
             if m == "checkpoint":
                 host = saves.host
+    if head_loss is not None and head_loss.recipe.loss != "transformers":
+        logits[0] = head_loss.logits_bytes  # the head computed the loss: what its logits took
     return probes, host, flops, logits[0], att.seen
 
 
@@ -308,9 +310,12 @@ class MemoryEstimate:
         attention (list[str]): the SDPA backends counted (empty for a model without SDPA calls).
     """
 
-    def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None):
+    def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None, recipe=None):
         self.cost_model = cost_model
-        self.extra_bytes = int(extra_bytes)  # optimizer states: on the device through the whole step
+        # Through the whole step: the optimizer's states, and the recipe's static parts less those the
+        # measured step held (fp32 master weights, quantized or sharded ones; negative where smaller).
+        self.extra_bytes = int(extra_bytes)
+        self.recipe = recipe
         self.parts = dict(parts)
         self.seq = seq
         self.batch = batch
@@ -353,8 +358,8 @@ class MemoryEstimate:
         """
         budget = int(device_bytes) - self.extra_bytes
         if budget <= 0:
-            raise ValueError(f"MemoryEstimate.plan: the optimizer states alone ({self.extra_bytes} bytes) "
-                             f"take the device's {device_bytes} bytes")
+            raise ValueError(f"MemoryEstimate.plan: the optimizer states and the recipe's other static parts "
+                             f"({self.extra_bytes} bytes) take the device's {device_bytes} bytes")
         cost = self.cost_model
         if len(cost.modes) ** cost.n <= _planner._EXHAUSTIVE_LIMIT:
             plan = _planner.plan_from_cost(cost, budget, None if host_bytes is None else int(host_bytes))
@@ -505,7 +510,8 @@ def _resized(inputs, seq, new):
     return torch.utils._pytree.tree_map(one, inputs)
 
 
-def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None) -> MemoryEstimate:
+def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None,
+                    recipe=None) -> MemoryEstimate:
     """The memory of one training step of `model` on `example_inputs`, sized on the meta device.
 
     Build the model under `torch.device("meta")` (or transformers' `from_config` there): nothing
@@ -519,13 +525,17 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
             (`requires_grad`) get gradients and optimizer states.
         example_inputs: the model's positional arguments (a tuple) or keyword arguments (a dict),
             meta tensors; dimension 0 is the batch, dimension 1 the sequence.
-        optimizer: `"adamw"` (two fp32 states per trainable element), `"sgd"` (its momentum, one),
-            or None.
+        optimizer: a transformers `optim` name (`"adamw"` is `"adamw_torch"`: two states per
+            trainable element in the parameter's dtype), or None; the recipe's, when `recipe` is given.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
             squared output).
         attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
             the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
             (see `default_attention`). Models in eager attention are counted as they run.
+        recipe: a `ckpt_offload.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
+            quantized base weights, sharding (default: `Recipe(optim=optimizer)`, transformers' loss,
+            gradients kept, the weights in the model's dtype, one rank). Build the model in the dtype
+            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights.
 
     Returns:
         MemoryEstimate: per mode the peak and host bytes, the parts, `table()`, `to_json()`,
@@ -541,8 +551,19 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
     if not isinstance(example_inputs, (tuple, dict)):
         raise TypeError(f"estimate_memory: example_inputs must be a tuple (positional) or a dict (keyword "
                         f"arguments), got {type(example_inputs).__name__}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"estimate_memory: optimizer must be one of 'adamw', 'sgd' or None, got {optimizer!r}")
+    if recipe is None:
+        try:
+            recipe = _recipe.Recipe(optim=optimizer)
+        except ValueError as e:
+            raise ValueError(f"estimate_memory: {e}") from None
+    elif not isinstance(recipe, _recipe.Recipe):
+        raise TypeError(f"estimate_memory: recipe must be a ckpt_offload.recipe.Recipe, got {type(recipe).__name__}")
+    elif optimizer != "adamw" and _recipe.optim_name(optimizer) != recipe.optim:
+        raise ValueError(f"estimate_memory: optimizer={optimizer!r} and recipe.optim={recipe.optim!r} disagree; "
+                         f"give the optimizer in the recipe")
+    if recipe.loss != "transformers" and loss_fn is not None:
+        raise ValueError(f"estimate_memory: loss_fn and recipe.loss={recipe.loss!r} both say how the loss is "
+                         f"computed; give one")
     if attention is not None and attention not in ATTENTION:
         raise ValueError(f"estimate_memory: attention must be one of {ATTENTION} or None, got {attention!r}")
     if loss_fn is not None and not callable(loss_fn):
@@ -556,10 +577,10 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(f"estimate_memory: no repeated blocks found in {type(model).__name__}")
-    return _estimate(model, blocks, example_inputs, optimizer, loss_fn, attention)
+    return _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
 
 
-def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
+def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     n = len(blocks)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -567,6 +588,11 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     for p in trainable:
         if p.grad is None:
             p.grad = torch.empty_like(p)  # kept allocated, as in a steady-state step
+    head_loss = _recipe.loss_on_head(model, recipe)
+    measured_inputs = _recipe.inputs_for(inputs, recipe)
+    if recipe.loss != "transformers":
+        loss_fn = head_loss.loss_fn  # the head computes the loss itself
+    grads_of = [sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad) for b in blocks]
     chosen, source = _representatives(blocks)
     container = _container_of(model, blocks) if len(chosen) < n else None
     if container is None:
@@ -578,14 +604,16 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
             with _only(container, subset) if container is not None else contextlib.nullcontext():
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+                probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, measured_inputs, loss_fn,
+                                                                           attention, head_loss)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
-            probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, inputs, loss_fn, attention)
+            probes, host_sub, flops_sub, logits_bytes, seen = _measure(model, subset, measured_inputs, loss_fn,
+                                                                       attention, head_loss)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -618,6 +646,11 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     full_kept_none = sum(kept["none"])
     for key in ("fwd_pre_peak", "fwd_level", "bwd_level", "bwd_pre_peak"):
         o[key] += shift
+    if recipe.grads == "freed" and recipe.ranks == 1:
+        # Measured with the gradients kept; freed ones do not exist before the backward that makes
+        # them (sharded ones are counted kept: a shard each).
+        o["freed_block_grads"] = list(grads_of)
+        o["freed_outside_grads"] = sum(p.numel() * p.element_size() for p in trainable) - sum(grads_of)
     for key in ("fwd_head_peak", "bwd_head_peak"):
         o[key] += shift + full_kept_none - o["kept_none"]
     # What a block leaves until the end of the forward but not into the backward (transformers' KV
@@ -632,15 +665,20 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
                               bwd_excess=bwd_excess, fwd_excess=fwd_excess, host=host, fwd_ms=fwd_ms_d,
                               bwd_ms=bwd_ms_d, outside=o, d2h_gb_per_s=_NOMINAL_COPY_GB_PER_S,
                               h2d_gb_per_s=_NOMINAL_COPY_GB_PER_S, synchronous_copies=False)
-    weights = _static_bytes(model, params) - _static_bytes(model, [])
-    grads = sum(p.numel() * p.element_size() for p in trainable)
-    opt = OPTIMIZERS[optimizer] * sum(p.numel() for p in trainable)
-    parts = dict(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt, logits_bytes=int(logits_bytes),
-                 checkpoint_input_bytes=int(sum(host_in)))
+    # The static parts as the recipe holds them, against those the step above measured (the model's
+    # weights and gradients as built): the difference is carried through the whole step.
+    measured_weights = _static_bytes(model, params) - _static_bytes(model, [])
+    measured_grads = sum(p.numel() * p.element_size() for p in trainable)
+    static = _recipe.static_parts(model, recipe, blocks)
+    extra = (static["weights_bytes"] - measured_weights + static["grads_bytes"] - measured_grads
+             + static["optimizer_bytes"] + static["in_flight_bytes"])
+    parts = dict(weights_bytes=static["weights_bytes"], grads_bytes=static["grads_bytes"],
+                 optimizer_bytes=static["optimizer_bytes"], logits_bytes=int(logits_bytes),
+                 checkpoint_input_bytes=int(sum(host_in)), in_flight_bytes=static["in_flight_bytes"])
     batch, seq = _seq_of(inputs)
 
     def resize(new_seq):
-        return _estimate(model, blocks, _resized(inputs, seq, new_seq), optimizer, loss_fn, attention)
+        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention)
 
-    return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=seen,
-                          resize=resize if seq else None)
+    return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=seen,
+                          resize=resize if seq else None, recipe=recipe)
