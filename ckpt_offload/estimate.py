@@ -298,9 +298,12 @@ class MemoryEstimate:
             the peak device bytes of a step: weights, gradients (kept allocated), optimizer states,
             inputs, activations, logits and loss, the backward's transient.
         host_bytes (dict[str, int]): per mode, the bytes a step sends to the host.
-        parts (dict[str, int]): `weights_bytes`, `grads_bytes`, `optimizer_bytes`, `logits_bytes`
-            (the logits, and their fp32 copy where transformers' loss makes one) and
-            `checkpoint_input_bytes` (what every block's checkpoint keeps: its inputs).
+        parts (dict[str, int]): per rank, as the recipe holds them: `weights_bytes`, `grads_bytes`,
+            `optimizer_bytes`, `logits_bytes` (the logits, and their fp32 copy where transformers'
+            loss makes one; what the chunked or fused loss holds of them), `checkpoint_input_bytes`
+            (what every block's checkpoint keeps: its inputs) and `in_flight_bytes` (sharded blocks
+            gathered, a quantized weight dequantized).
+        recipe (recipe.Recipe): what was counted.
         modes (dict[str, list[str]]): per mode, the mode of each block (as `enable_block_modes`
             takes them).
         cost_model (planner.CostModel): per block and mode, the bytes measured on the meta device
@@ -408,7 +411,7 @@ class MemoryEstimate:
         lines = [f"{'mode':<20} {'device GiB':>11} {'host GiB':>10}"]
         for m in MODES:
             lines.append(f"{m:<20} {self.peak_bytes[m] / gib:>11.3f} {self.host_bytes[m] / gib:>10.3f}")
-        lines += [f"{k:<24} {v / gib:>10.3f} GiB" for k, v in self.parts.items()]
+        lines += [f"{k:<24} {v / gib:>10.3f} GiB" for k, v in self.parts.items() if v or k != "in_flight_bytes"]
         return "\n".join(lines)
 
     def to_json(self) -> str:

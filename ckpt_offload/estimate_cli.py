@@ -291,6 +291,14 @@ def run(args, progress=None):
     model, name, dtype = build_model(args.config, build_dtype, args.lora_rank, args.attention, lora=lora,
                                      adapter_dtype=args.adapter_dtype)
     _check_numel(model, batch, seq)
+    described = recipe.describe(dtype)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    if lora or args.lora_rank:
+        kinds = sorted({str(p.dtype).replace("torch.", "") for p in adapters})
+        cfg = getattr(model, "peft_config", {}).get("default")
+        targets = ",".join(sorted(cfg.target_modules)) if cfg is not None else "?"
+        described += (f"; LoRA r={cfg.r if cfg is not None else '?'} on {targets}, adapters "
+                      f"{'/'.join(kinds)}, dropout {cfg.lora_dropout if cfg is not None else 0}")
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     progress(f"estimating batch {batch} x {seq} tokens")
     attention = None if args.attention in ("auto", "eager") else args.attention
@@ -350,7 +358,7 @@ def run(args, progress=None):
     return {"model": name, "seq": seq, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "sources": _sources(args),
-            "recipe": recipe.describe(dtype), "selected_mode": selected, "why_nothing_fits": why,
+            "recipe": described, "selected_mode": selected, "why_nothing_fits": why,
             "attention": est.attention, "modes": modes, "parts": est.parts}
 
 

@@ -432,7 +432,7 @@ def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, mon
         for chunk in body.strip().split("\n\n"):
             command, _, shown = chunk.partition("\n")
             runs.append((command[len("$ python -m ckpt_offload estimate "):].split(), shown.strip()))
-    assert len(runs) == 4  # full fine-tuning at 8k; LoRA at 8k, 32k and 128k
+    assert len(runs) == 7  # full fine-tuning pure bf16, fp32 master, sharded; LoRA at 8k, 32k, 128k, 128k fused
     for argv, shown in runs:
         assert main(argv) == 0
         assert capsys.readouterr().out.strip() == shown, " ".join(argv)
