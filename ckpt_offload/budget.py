@@ -32,8 +32,6 @@ MARGIN_MIN_BYTES = 1 << 30
 # The part of the node's available host memory its ranks may pin together.
 HOST_FRACTION = 0.5
 TEST_DEVICE_ENV = "CKPT_OFFLOAD_TEST_DEVICE_BYTES"
-# States per trainable element that an optimizer allocates at its first step, by name.
-_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 
 log = logging.getLogger("ckpt_offload")
 
@@ -109,33 +107,36 @@ def _storages_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
-    """The bytes the optimizer's states will take that are not allocated yet.
+    """The bytes the optimizer's states will take that are not allocated yet, as
+    `ckpt_offload.recipe` counts them (the estimate counts through the same functions).
 
     Args:
         model: its parameters with `requires_grad` are the trainable ones.
-        optimizer: `"adamw"` / `"adam"` (two states an element), `"sgd"` (momentum, one), `"none"`
-            or None (zero), or a `torch.optim.Optimizer`: only its parameters whose state is still
-            empty count, two states an element for Adam-like optimizers and SGD with momentum's one
-            (other optimizers are counted as two, an upper bound for most). States take the
-            parameter's dtype, as torch's optimizers allocate them.
+        optimizer: a transformers `optim` name (`"adamw"`, `"adamw_torch"`, `"adamw_bnb_8bit"`,
+            `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`), `"none"` or None (zero), a
+            `ckpt_offload.recipe.Recipe`, or a `torch.optim.Optimizer` (accelerate's wrapper looked
+            through): only its parameters whose state is still empty count, each as that optimizer
+            allocates it (AdamW two states in the parameter's dtype, three with amsgrad; SGD one
+            with momentum, none without; unknown optimizers two, an upper bound for most).
 
     Raises:
         ValueError: an unknown optimizer name.
     """
+    from . import recipe as _recipe
+
     if optimizer is None:
         return 0
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if isinstance(optimizer, torch.optim.SGD):
-            per = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
-        else:
-            per = 2
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
-        return per * sum(p.numel() * p.element_size() for p in params)
-    if not isinstance(optimizer, str) or optimizer.lower() not in _STATES:
-        raise ValueError(f"budget='auto': optimizer must be one of {sorted(_STATES)}, None or a torch.optim.Optimizer, "
-                         f"got {optimizer!r}")
-    per = _STATES[optimizer.lower()]
-    return per * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
+        return _recipe.pending_state_bytes(optimizer)
+    if isinstance(optimizer, _recipe.Recipe):
+        r = optimizer
+    else:
+        try:
+            r = _recipe.Recipe(optim=optimizer)
+        except ValueError as e:
+            raise ValueError(f"budget='auto': {e}") from None
+    return sum(_recipe.state_bytes(p, r.optim, amsgrad=r.amsgrad, momentum=r.momentum, dtype=r.dtype)
+               for p in model.parameters() if p.requires_grad)
 
 
 def host_budget_bytes(fraction: float = HOST_FRACTION):

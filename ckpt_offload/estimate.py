@@ -21,13 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from . import planner as _planner
+from . import recipe as _recipe
 from .testing import LiveBytes
 from .model import disable_checkpointing, enable_block_modes, find_repeated_blocks
 from .training import training_mode
 
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
 ATTENTION = ("flash", "efficient", "math")
-OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, None: 0, "none": 0}  # device bytes per trainable element
 # Times in the cost model: FLOPs at a nominal rate, copies at a nominal PCIe rate. They rank plans;
 # they are not a prediction of a step's time on any device.
 _NOMINAL_FLOPS_PER_MS = 2e11  # 200 TFLOP/s
@@ -340,7 +340,7 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, blocks, inputs, loss_fn, attention):
+def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
     "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
     logits bytes and the attention backends used."""
@@ -360,7 +360,7 @@ def _measure(model, blocks, inputs, loss_fn, attention):
         return loss_fn(out)
 
     disable_checkpointing(model)
-    with training_mode(model), att, _Dropout():
+    with training_mode(model), att, _Dropout(), head_loss or contextlib.nullcontext():
         for m in ("none", "checkpoint"):
             if m != "none":
                 enable_block_modes(model, [m] * n, layers=blocks)
@@ -378,6 +378,8 @@ def _measure(model, blocks, inputs, loss_fn, attention):
                 disable_checkpointing(model)
             if m == "checkpoint":
                 host = saves.host
+    if head_loss is not None and head_loss.recipe.loss != "transformers":
+        logits[0] = head_loss.logits_bytes  # the head computed the loss: what its logits took
     return probes, host, flops, logits[0], att
 
 
@@ -391,9 +393,12 @@ class MemoryEstimate:
             the peak device bytes of a step: weights, gradients (kept allocated), optimizer states,
             inputs, activations, logits and loss, the backward's transient.
         host_bytes (dict[str, int]): per mode, the bytes a step sends to the host.
-        parts (dict[str, int]): `weights_bytes`, `grads_bytes`, `optimizer_bytes`, `logits_bytes`
-            (the logits, and their fp32 copy where transformers' loss makes one) and
-            `checkpoint_input_bytes` (what every block's checkpoint keeps: its inputs).
+        parts (dict[str, int]): per rank, as the recipe holds them: `weights_bytes`, `grads_bytes`,
+            `optimizer_bytes`, `logits_bytes` (the logits, and their fp32 copy where transformers'
+            loss makes one; what the chunked or fused loss holds of them), `checkpoint_input_bytes`
+            (what every block's checkpoint keeps: its inputs) and `in_flight_bytes` (sharded blocks
+            gathered, a quantized weight dequantized).
+        recipe (recipe.Recipe): what was counted.
         modes (dict[str, list[str]]): per mode, the mode of each block (as `enable_block_modes`
             takes them).
         cost_model (planner.CostModel): per block and mode, the bytes measured on the meta device
@@ -407,9 +412,12 @@ class MemoryEstimate:
     """
 
     def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None,
-                 quadratic=False, max_seq=None):
+                 quadratic=False, max_seq=None, recipe=None):
         self.cost_model = cost_model
-        self.extra_bytes = int(extra_bytes)  # optimizer states: on the device through the whole step
+        # Through the whole step: the optimizer's states, and the recipe's static parts less those the
+        # measured step held (fp32 master weights, quantized or sharded ones; negative where smaller).
+        self.extra_bytes = int(extra_bytes)
+        self.recipe = recipe
         self.parts = dict(parts)
         self.seq = seq
         self.batch = batch
@@ -454,8 +462,8 @@ class MemoryEstimate:
         """
         budget = int(device_bytes) - self.extra_bytes
         if budget <= 0:
-            raise ValueError(f"MemoryEstimate.plan: the optimizer states alone ({self.extra_bytes} bytes) "
-                             f"take the device's {device_bytes} bytes")
+            raise ValueError(f"MemoryEstimate.plan: the optimizer states and the recipe's other static parts "
+                             f"({self.extra_bytes} bytes) take the device's {device_bytes} bytes")
         cost = self.cost_model
         if len(cost.modes) ** cost.n <= _planner._EXHAUSTIVE_LIMIT:
             plan = _planner.plan_from_cost(cost, budget, None if host_bytes is None else int(host_bytes))
@@ -504,7 +512,7 @@ class MemoryEstimate:
         lines = [f"{'mode':<20} {'device GiB':>11} {'host GiB':>10}"]
         for m in MODES:
             lines.append(f"{m:<20} {self.peak_bytes[m] / gib:>11.3f} {self.host_bytes[m] / gib:>10.3f}")
-        lines += [f"{k:<24} {v / gib:>10.3f} GiB" for k, v in self.parts.items()]
+        lines += [f"{k:<24} {v / gib:>10.3f} GiB" for k, v in self.parts.items() if v or k != "in_flight_bytes"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -650,7 +658,8 @@ def _resized(inputs, seq, new):
     return torch.utils._pytree.tree_map(one, inputs)
 
 
-def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None) -> MemoryEstimate:
+def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None,
+                    recipe=None) -> MemoryEstimate:
     """The memory of one training step of `model` on `example_inputs`, sized on the meta device.
 
     Build the model under `torch.device("meta")` (or transformers' `from_config` there): nothing
@@ -664,8 +673,8 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
             (`requires_grad`) get gradients and optimizer states.
         example_inputs: the model's positional arguments (a tuple) or keyword arguments (a dict),
             meta tensors; dimension 0 is the batch, dimension 1 the sequence.
-        optimizer: `"adamw"` (two fp32 states per trainable element), `"sgd"` (its momentum, one),
-            or None.
+        optimizer: a transformers `optim` name (`"adamw"` is `"adamw_torch"`: two states per
+            trainable element in the parameter's dtype), or None; the recipe's, when `recipe` is given.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
             squared output). A transformers model that takes `labels` and is given none is sized
             with `labels=input_ids`: its own causal-LM loss, as `python -m ckpt_offload estimate`
@@ -673,6 +682,10 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
             the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
             (see `default_attention`). Models in eager attention are counted as they run.
+        recipe: a `ckpt_offload.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
+            quantized base weights, sharding (default: `Recipe(optim=optimizer)`, transformers' loss,
+            gradients kept, the weights in the model's dtype, one rank). Build the model in the dtype
+            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights.
 
     Returns:
         MemoryEstimate: per mode the peak and host bytes, the parts, `table()`, `to_json()`,
@@ -688,8 +701,19 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
     if not isinstance(example_inputs, (tuple, dict)):
         raise TypeError(f"estimate_memory: example_inputs must be a tuple (positional) or a dict (keyword "
                         f"arguments), got {type(example_inputs).__name__}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"estimate_memory: optimizer must be one of 'adamw', 'sgd' or None, got {optimizer!r}")
+    if recipe is None:
+        try:
+            recipe = _recipe.Recipe(optim=optimizer)
+        except ValueError as e:
+            raise ValueError(f"estimate_memory: {e}") from None
+    elif not isinstance(recipe, _recipe.Recipe):
+        raise TypeError(f"estimate_memory: recipe must be a ckpt_offload.recipe.Recipe, got {type(recipe).__name__}")
+    elif optimizer != "adamw" and _recipe.optim_name(optimizer) != recipe.optim:
+        raise ValueError(f"estimate_memory: optimizer={optimizer!r} and recipe.optim={recipe.optim!r} disagree; "
+                         f"give the optimizer in the recipe")
+    if recipe.loss != "transformers" and loss_fn is not None:
+        raise ValueError(f"estimate_memory: loss_fn and recipe.loss={recipe.loss!r} both say how the loss is "
+                         f"computed; give one")
     if attention is not None and attention not in ATTENTION:
         raise ValueError(f"estimate_memory: attention must be one of {ATTENTION} or None, got {attention!r}")
     if loss_fn is not None and not callable(loss_fn):
@@ -707,7 +731,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         example_inputs = _with_labels(model, example_inputs)
     if _container_of(model, blocks) is None:
         blocks = _blocks_that_run(model, blocks, example_inputs)
-    return _estimate(model, blocks, example_inputs, optimizer, loss_fn, attention)
+    return _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
 
 
 def _with_labels(model, inputs):
@@ -747,7 +771,7 @@ def _blocks_that_run(model, blocks, inputs):
     return [b for b in blocks if id(b) in ran] or blocks
 
 
-def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
+def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     n = len(blocks)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -755,6 +779,11 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     for p in trainable:
         if p.grad is None:
             p.grad = torch.empty_like(p)  # kept allocated, as in a steady-state step
+    head_loss = _recipe.loss_on_head(model, recipe)
+    measured_inputs = _recipe.inputs_for(inputs, recipe)
+    if recipe.loss != "transformers":
+        loss_fn = head_loss.loss_fn  # the head computes the loss itself
+    grads_of = [sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad) for b in blocks]
     configs = _position_configs(model, n)
     kinds = [tuple(c.layer_types[i] for c in configs) for i in range(n)] if configs else None
     chosen, source = _representatives(blocks, kinds)
@@ -769,14 +798,16 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
                     _positions(configs if container is not None else [], chosen):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, inputs, loss_fn, attention)
+                probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
+                                                                          attention, head_loss)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
-            probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, inputs, loss_fn, attention)
+            probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
+                                                                      attention, head_loss)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -809,6 +840,11 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
     full_kept_none = sum(kept["none"])
     for key in ("fwd_pre_peak", "fwd_level", "bwd_level", "bwd_pre_peak"):
         o[key] += shift
+    if recipe.grads == "freed" and recipe.ranks == 1:
+        # Measured with the gradients kept; freed ones do not exist before the backward that makes
+        # them (sharded ones are counted kept: a shard each).
+        o["freed_block_grads"] = list(grads_of)
+        o["freed_outside_grads"] = sum(p.numel() * p.element_size() for p in trainable) - sum(grads_of)
     for key in ("fwd_head_peak", "bwd_head_peak"):
         o[key] += shift + full_kept_none - o["kept_none"]
     # What a block leaves until the end of the forward but not into the backward (transformers' KV
@@ -823,18 +859,24 @@ def _estimate(model, blocks, inputs, optimizer, loss_fn, attention):
                               bwd_excess=bwd_excess, fwd_excess=fwd_excess, host=host, fwd_ms=fwd_ms_d,
                               bwd_ms=bwd_ms_d, outside=o, d2h_gb_per_s=_NOMINAL_COPY_GB_PER_S,
                               h2d_gb_per_s=_NOMINAL_COPY_GB_PER_S, synchronous_copies=False)
-    weights = _static_bytes(model, params) - _static_bytes(model, [])
-    grads = sum(p.numel() * p.element_size() for p in trainable)
-    opt = OPTIMIZERS[optimizer] * sum(p.numel() for p in trainable)
-    parts = dict(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt, logits_bytes=int(logits_bytes),
-                 checkpoint_input_bytes=int(sum(host_in)))
+    # The static parts as the recipe holds them, against those the step above measured (the model's
+    # weights and gradients as built): the difference is carried through the whole step.
+    measured_weights = _static_bytes(model, params) - _static_bytes(model, [])
+    measured_grads = sum(p.numel() * p.element_size() for p in trainable)
+    static = _recipe.static_parts(model, recipe, blocks)
+    extra = (static["weights_bytes"] - measured_weights + static["grads_bytes"] - measured_grads
+             + static["optimizer_bytes"] + static["in_flight_bytes"])
+    parts = dict(weights_bytes=static["weights_bytes"], grads_bytes=static["grads_bytes"],
+                 optimizer_bytes=static["optimizer_bytes"], logits_bytes=int(logits_bytes),
+                 checkpoint_input_bytes=int(sum(host_in)), in_flight_bytes=static["in_flight_bytes"])
     batch, seq = _seq_of(inputs)
 
     def resize(new_seq):
-        return _estimate(model, blocks, _resized(inputs, seq, new_seq), optimizer, loss_fn, attention)
+        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention)
 
-    return MemoryEstimate(cost, opt, parts, seq=seq, batch=batch, attention=att.seen,
-                          resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model))
+    return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=att.seen,
+                          resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model),
+                          recipe=recipe)
 
 
 def _max_positions(model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -16,16 +17,25 @@ from ._args import command_name
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
            "fp32": "float32", "float32": "float32", "float": "float32"}
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
+# A size given without a unit below this is almost surely a missing unit ("--device-memory 80").
+_MIN_BARE_BYTES = 2 ** 20
 
 
 def parse_size(text: str) -> int:
     """Bytes from "80GiB", "80G" (binary), "80GB" (decimal), "1.5TiB" or a plain number of bytes
     (ckpt_offload._args.parse_size, which host_pool().set_capacity reads sizes with too), with
-    argparse's error type so that the command prints the reason."""
+    argparse's error type so that the command prints the reason. A number without a unit below
+    1 MiB is refused: "--device-memory 80" is a missing unit, not 80 bytes."""
     try:
-        return _args.parse_size(text)
+        value = _args.parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    bare = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*", str(text))
+    if bare and value < _MIN_BARE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: a number without a unit is bytes, and {value} bytes is surely a missing unit; "
+            f"write {bare.group(1)}GiB, {bare.group(1)}GB or the bytes in full")
+    return value
 
 
 def parse_margin(text: str) -> int:
@@ -51,13 +61,44 @@ def _parser():
         description="The device and host memory of one training step of a transformers model, per "
                     "checkpointing / offload mode, estimated on the meta device (no GPU, no weights).")
     p.add_argument("--config", required=True, help="a transformers config.json")
-    p.add_argument("--seq", type=_positive, required=True, help="tokens per sequence")
-    p.add_argument("--batch", type=_positive, default=1, help="sequences per step on one rank (default 1)")
+    p.add_argument("--seq", type=_positive, default=None,
+                   help="tokens per sequence (default: --training-args' max_length)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="sequences per step on one rank (default: --training-args' per_device_train_batch_size, "
+                        "else 1)")
+    p.add_argument("--training-args", default=None, metavar="FILE",
+                   help="transformers TrainingArguments / TRL SFTConfig JSON (to_json_string()): batch, bf16/fp16, "
+                        "optim, gradient_checkpointing, use_liger_kernel, max_length, fsdp/deepspeed; options given "
+                        "here win")
+    p.add_argument("--peft-config", default=None, metavar="FILE", help="peft's adapter_config.json (LoRA)")
     p.add_argument("--dtype", default=None,
-                   help="bf16, fp16 or fp32 (default: the config's dtype, else bf16)")
+                   help="the weights' dtype: bf16, fp16 or fp32 (default: the config's dtype, else bf16); "
+                        "fp32 with --autocast: fp32 master weights")
+    p.add_argument("--autocast", default=None, choices=["bf16", "fp16"],
+                   help="the step computes in this dtype under torch.autocast (with --dtype fp32: fp32 master "
+                        "weights, gradients and states)")
     p.add_argument("--lora-rank", type=_positive, default=None,
-                   help="LoRA adapters of this rank on the attention and MLP projections, the rest frozen")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+                   help="LoRA adapters of this rank (on --lora-targets), the rest frozen")
+    p.add_argument("--lora-targets", default=None,
+                   help="LoRA's target modules, comma-separated (default: every linear projection in the blocks)")
+    p.add_argument("--lora-dropout", type=float, default=None, help="LoRA dropout (default 0: no dropout mask)")
+    p.add_argument("--adapter-dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="the adapters' dtype (default fp32: peft upcasts them)")
+    p.add_argument("--quantize", default=None, choices=["nf4", "int8"],
+                   help="the frozen base linear weights as bitsandbytes stores them (QLoRA: nf4)")
+    p.add_argument("--optim", default=None, metavar="NAME",
+                   help="transformers' optim name: adamw_torch (default), adamw_torch_fused, adamw_bnb_8bit, "
+                        "paged_adamw_8bit, adafactor, sgd, ... or none")
+    p.add_argument("--optim-args", default=None, help="as transformers' optim_args: amsgrad=True, momentum=0.9")
+    p.add_argument("--optimizer", default=None, choices=["adamw", "sgd", "none"], help="older spelling of --optim")
+    p.add_argument("--loss", default=None,
+                   help="transformers (default: the whole logits and their fp32 copy), chunked:N, or fused "
+                        "(a fused linear cross-entropy: Liger's, use_liger_kernel)")
+    p.add_argument("--grads", default=None, choices=["kept", "freed"],
+                   help="gradients kept between steps (accumulation; the default) or freed (zero_grad(set_to_none="
+                        "True); with --training-args: freed unless gradient_accumulation_steps > 1)")
+    p.add_argument("--shard", default=None,
+                   help="fsdp:N, zero3:N (weights, gradients, states divided among N ranks), zero2:N, zero1:N")
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "efficient", "math", "eager"],
                    help="the SDPA backend counted (auto: what torch picks on a GPU), or eager attention")
     p.add_argument("--device-memory", type=parse_size, default=None,
@@ -68,7 +109,8 @@ def _parser():
     p.add_argument("--host-memory", type=parse_size, default=None,
                    help="host memory of the node, e.g. 2TiB (default: this machine's available memory)")
     p.add_argument("--ranks-per-node", type=_positive, default=None,
-                   help="ranks sharing the node's host memory (default: LOCAL_WORLD_SIZE, else 1)")
+                   help="ranks sharing the node's host memory (default: the launcher's, as hostmem.local_world_size "
+                        "reads it: LOCAL_WORLD_SIZE, SLURM, Open MPI, MPICH; else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -119,8 +161,29 @@ def _hardware(args):
     return device, host, ranks
 
 
-def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto"):
-    """(model on meta, its name, the torch dtype) from a config.json."""
+def _sources(args):
+    """Where the device and host figures came from, in words."""
+    device = "--device-memory" if args.device_memory is not None else "this machine's GPU"
+    host = "--host-memory" if args.host_memory is not None else "this machine's available memory"
+    ranks = "--ranks-per-node" if args.ranks_per_node is not None else "the launcher's variables"
+    return dict(device=device, host=host, ranks=ranks)
+
+
+def config_dtype(config_path):
+    """The dtype a config.json names ("bfloat16"; bf16 where it names none), or a _ConfigError."""
+    with open(config_path) as f:
+        raw = json.load(f)
+    name = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("torch_dtype") or "bfloat16"
+    name = str(name).replace("torch.", "")
+    if name.lower() not in _DTYPES:
+        raise _ConfigError(f"its dtype {name!r} is not one a step trains in; pass --dtype bf16, fp16 or fp32")
+    return _DTYPES[name.lower()]
+
+
+def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto", lora=None, adapter_dtype=None):
+    """(model on meta, its name, the torch dtype) from a config.json, in the dtype the step computes
+    in. lora: peft.LoraConfig keyword arguments (lora_rank: r, the targets every linear projection
+    of the blocks unless lora names them)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -129,8 +192,7 @@ def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto"):
     cfg = transformers.AutoConfig.from_pretrained(config_path)
     name = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
     if dtype_name is None:
-        dtype_name = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "bfloat16")
-        dtype_name = dtype_name.replace("torch.", "")
+        dtype_name = config_dtype(config_path)
     dtype = getattr(torch, _DTYPES[dtype_name])
     cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
     with torch.device("meta"):
@@ -143,39 +205,116 @@ def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto"):
             raise ValueError(f"model_type {cfg.model_type!r} ({type(cfg).__name__}) has no causal language model "
                              f"in transformers (AutoModelForCausalLM); the estimate sizes decoder-only language "
                              f"models (an encoder-decoder such as T5 is not one)") from None
-        if lora_rank:
-            model = _lora(model, lora_rank)
+        if lora_rank or lora:
+            model = _lora(model, dict(lora or {}, **({"r": lora_rank} if lora_rank else {})), adapter_dtype)
     return model, name, dtype
 
 
-def _lora(model, rank):
-    """peft LoRA on every linear projection inside the repeated blocks (attention and MLP)."""
+def _lora(model, kw, adapter_dtype=None):
+    """peft LoRA with these LoraConfig arguments; the targets by default every linear projection
+    inside the repeated blocks (attention and MLP). peft upcasts the adapters to fp32 unless
+    adapter_dtype says otherwise."""
     import peft
+    import torch
     from torch import nn
 
     from .model import find_repeated_blocks
 
-    targets = sorted({name.rsplit(".", 1)[-1] for b in find_repeated_blocks(model)
-                      for name, m in b.named_modules() if isinstance(m, nn.Linear)})
-    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    kw = dict(kw)
+    kw.setdefault("r", 8)
+    kw.setdefault("lora_alpha", 2 * kw["r"])
+    if not kw.get("target_modules"):
+        kw["target_modules"] = sorted({name.rsplit(".", 1)[-1] for b in find_repeated_blocks(model)
+                                       for name, m in b.named_modules() if isinstance(m, nn.Linear)})
+    model = peft.get_peft_model(model, peft.LoraConfig(**kw), autocast_adapter_dtype=adapter_dtype in (None, "fp32"))
+    if adapter_dtype not in (None, "fp32"):
+        target = getattr(torch, _DTYPES[adapter_dtype])
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(target)
+    return model
+
+
+class _ConfigError(ValueError):
+    pass
+
+
+def resolve(args):
+    """The options, --training-args and --peft-config merged (the options win) into
+    (seq, batch, compute dtype name or None, Recipe, LoraConfig kwargs or None, the selected mode or None)."""
+    from . import recipe as _recipe
+    from . import recipe_files
+
+    ranks = args.ranks_per_node
+    if ranks is None:
+        from . import hostmem
+
+        ranks = hostmem.local_world_size()
+    ta = recipe_files.training_args(args.training_args, ranks) if args.training_args else {}
+    seq = args.seq if args.seq is not None else ta.get("seq")
+    if seq is None:
+        raise _UsageError("--seq is required (or a max_length in --training-args)")
+    batch = args.batch if args.batch is not None else ta.get("batch", 1)
+    optim = args.optim or args.optimizer or ta.get("optim") or "adamw_torch"
+    extra = recipe_files.parse_optim_args(args.optim_args) if args.optim_args else {}
+    amsgrad = extra.get("amsgrad", ta.get("amsgrad", False))
+    momentum = extra.get("momentum", ta.get("momentum", 0.0))
+    autocast = args.autocast or ta.get("autocast")
+    weights = args.dtype or config_dtype(args.config)
+    if autocast is not None and weights is not None and _DTYPES[weights] == "float32":
+        compute, master = _recipe.dtype_of(autocast), "fp32"
+    else:
+        # Pure precision: autocast over weights already in its dtype changes nothing.
+        compute, master, autocast = None, weights, None
+    lora = recipe_files.peft_config(args.peft_config) if args.peft_config else None
+    if args.lora_targets or args.lora_dropout is not None or args.lora_rank:
+        lora = dict(lora or {})
+        if args.lora_targets:
+            lora["target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        if args.lora_dropout is not None:
+            lora["lora_dropout"] = args.lora_dropout
+    if args.quantize and not (lora or args.lora_rank):
+        raise _UsageError("--quantize freezes the base weights: give LoRA adapters too (--lora-rank or --peft-config)")
+    try:
+        recipe = _recipe.Recipe(optim=optim, amsgrad=amsgrad, momentum=momentum,
+                                dtype=master if autocast else None, autocast=compute,
+                                loss=args.loss or ta.get("loss", "transformers"),
+                                grads=args.grads or ta.get("grads", "kept"), quantize=args.quantize,
+                                shard=args.shard or ta.get("shard"))
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    build_dtype = autocast if autocast else weights
+    return seq, batch, build_dtype, recipe, lora, ta.get("mode")
 
 
 def run(args, progress=None):
     """The report as a dict (the --json schema)."""
     import torch
 
+    from . import budget, hostmem
     from .estimate import estimate_memory
 
     progress = progress or _Progress(quiet=True)
+    seq, batch, build_dtype, recipe, lora, selected = resolve(args)
     progress("building the model on the meta device")
-    model, name, dtype = build_model(args.config, args.dtype, args.lora_rank, args.attention)
-    ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
-    progress(f"estimating batch {args.batch} x {args.seq} tokens")
+    model, name, dtype = build_model(args.config, build_dtype, args.lora_rank, args.attention, lora=lora,
+                                     adapter_dtype=args.adapter_dtype)
+    _check_numel(model, batch, seq)
+    described = recipe.describe(dtype)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    if lora or args.lora_rank:
+        kinds = sorted({str(p.dtype).replace("torch.", "") for p in adapters})
+        cfg = getattr(model, "peft_config", {}).get("default")
+        targets = ",".join(sorted(cfg.target_modules)) if cfg is not None else "?"
+        described += (f"; LoRA r={cfg.r if cfg is not None else '?'} on {targets}, adapters "
+                      f"{'/'.join(kinds)}, dropout {cfg.lora_dropout if cfg is not None else 0}")
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    progress(f"estimating batch {batch} x {seq} tokens")
     attention = None if args.attention in ("auto", "eager") else args.attention
-    est = estimate_memory(model, {"input_ids": ids, "labels": ids},
-                          optimizer=None if args.optimizer == "none" else args.optimizer, attention=attention)
+    est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
     device, host, ranks = _hardware(args)
-    host_rank = None if host is None else host // ranks
+    # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
+    host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
     margin = usable = None
     if device is not None:
         margin = margin_bytes(device) if args.margin is None else args.margin
@@ -192,10 +331,13 @@ def run(args, progress=None):
         peak, hb = est.peak_bytes[m], est.host_bytes[m]
         fits = None
         if device is not None:
-            fits = bool(peak <= usable and (host is None or hb * ranks <= host))
+            fits = bool(peak <= usable and (host_rank is None or hb <= host_rank))
         modes[m] = dict(device_peak_bytes=int(peak), host_bytes_per_rank=int(hb), host_bytes_per_node=int(hb * ranks),
                         fits=fits, longest_seq=longest.get(m))
     modes["plan"] = None
+    static = est.parts["weights_bytes"] + est.parts["grads_bytes"] + est.parts["optimizer_bytes"] + \
+        est.parts["in_flight_bytes"]
+    why = None
     if device is not None:
         progress("searching the per-block plans")
         try:
@@ -203,16 +345,46 @@ def run(args, progress=None):
             modes["plan"] = dict(device_peak_bytes=plan.predicted_peak_bytes,
                                  host_bytes_per_rank=plan.predicted_host_bytes,
                                  host_bytes_per_node=plan.predicted_host_bytes * ranks, fits=True,
-                                 longest_seq=min(max(args.seq, *(longest[m] for m in MODES)),
+                                 longest_seq=min(max(seq, *(longest[m] for m in MODES)),
                                                  est.max_seq or 1 << 62),
                                  blocks=_runs(plan.modes))
         except ValueError:
             low = min(MODES, key=lambda m: est.peak_bytes[m])
             modes["plan"] = dict(modes[low], fits=False, blocks=_runs(est.modes[low]))
-    return {"model": name, "seq": args.seq, "batch": args.batch, "dtype": str(dtype).replace("torch.", ""),
+            if static > usable:
+                why = (f"the weights, gradients and optimizer states alone take {_gib(static)} GiB of the "
+                       f"{_gib(usable)} GiB planned, before any activation: shard them (--shard), quantize the "
+                       f"base (--quantize with LoRA), train adapters, or change the optimizer")
+            elif host_rank is not None and min(est.host_bytes[m] for m in MODES) <= host_rank < \
+                    est.host_bytes["checkpoint+offload"] and modes["checkpoint+offload"]["device_peak_bytes"] <= usable:
+                why = (f"offloading enough needs more host memory than this rank's share "
+                       f"({_gib(host_rank)} GiB: {budget.HOST_FRACTION:.0%} of the node's, among {ranks} "
+                       f"rank{'s' if ranks != 1 else ''})")
+            else:
+                why = (f"the smallest peak ({_gib(modes[low]['device_peak_bytes'])} GiB, {low}) is past the "
+                       f"{_gib(usable)} GiB planned; logits {_gib(est.parts['logits_bytes'])} GiB (--loss "
+                       f"chunked:N or fused holds less), checkpoint inputs "
+                       f"{_gib(est.parts['checkpoint_input_bytes'])} GiB")
+    return {"model": name, "seq": seq, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
-            "ranks_per_node": ranks, "max_seq": est.max_seq,
+            "host_share_bytes": host_rank, "ranks_per_node": ranks, "max_seq": est.max_seq, "sources": _sources(args),
+            "recipe": described, "selected_mode": selected, "why_nothing_fits": why,
             "attention": est.attention, "modes": modes, "parts": est.parts}
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _check_numel(model, batch, seq):
+    """Refuse sizes whose tensors could not exist: the logits' or the MLP's elements past int64."""
+    from torch import nn
+
+    widest = max((m.out_features for m in model.modules() if isinstance(m, nn.Linear)), default=1)
+    if batch * seq * widest >= 2 ** 62:
+        raise _UsageError(f"--batch {batch} x --seq {seq} x {widest} (the widest layer's output) is "
+                          f"{batch * seq * widest} elements, past what a tensor can hold (2^62 bytes' worth); "
+                          f"use a smaller --seq or --batch")
 
 
 def _runs(modes):
@@ -231,19 +403,29 @@ def _gib(b):
 
 
 def format_report(r) -> str:
+    src = r.get("sources") or {}
+    ranks = r["ranks_per_node"]
+    device = ("device unknown (no --device-memory and no GPU here: fits and longest seq not judged)"
+              if r["device_memory_bytes"] is None else
+              f"device {_gib(r['device_memory_bytes'])} GiB ({src.get('device', '?')}"
+              + ("" if r["device_margin_bytes"] is None else f", {_gib(r['device_margin_bytes'])} GiB of it left unplanned")
+              + ")")
+    host = ("host unknown (no --host-memory and this machine's memory unreadable)" if r["host_memory_bytes"] is None
+            else f"host {_gib(r['host_memory_bytes'])} GiB per node ({src.get('host', '?')}), "
+                 f"{_gib(r['host_share_bytes'])} GiB a rank may pin")
     lines = [f"{r['model']}: batch {r['batch']} x {r['seq']} tokens, {r['dtype']}, attention "
-             f"{'/'.join(r['attention']) or 'eager'}; device {_gib(r['device_memory_bytes'])} GiB"
-             + ("" if r["device_margin_bytes"] is None else f" ({_gib(r['device_margin_bytes'])} GiB of it left unplanned)")
-             + f", host "
-             f"{_gib(r['host_memory_bytes'])} GiB per node, {r['ranks_per_node']} ranks per node",
+             f"{'/'.join(r['attention']) or 'eager'}; {device}; {host}; {ranks} rank{'s' if ranks != 1 else ''} "
+             f"per node",
+             f"recipe: {r['recipe']}",
              f"{'mode':<20} {'device GiB':>10} {'host GiB/rank':>13} {'host GiB/node':>13} {'fits':>5} {'longest seq':>12}"]
     for m, row in r["modes"].items():
         if row is None:
             continue
-        fits = "-" if row["fits"] is None else "yes" if row["fits"] else "no"
-        longest = "-" if row["longest_seq"] is None else str(row["longest_seq"])
+        fits = "?" if row["fits"] is None else "yes" if row["fits"] else "no"
+        longest = "?" if row["longest_seq"] is None else str(row["longest_seq"])
+        mark = "  <- --training-args" if m == r.get("selected_mode") else ""
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
-                     f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}")
+                     f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}{mark}")
     cap = r.get("max_seq")
     if cap and any(row is not None and row["longest_seq"] == cap for row in r["modes"].values()):
         lines.append(f"longest seq: at most the {cap} positions the model takes (its max_position_embeddings)")
@@ -252,8 +434,37 @@ def format_report(r) -> str:
     plan = r["modes"].get("plan")
     if plan is not None:
         lines.append(f"plan: {plan['blocks']}" + ("" if plan["fits"] else " (the smallest peak; nothing fits)"))
-    lines.append("parts: " + ", ".join(f"{k.replace('_bytes', '')} {_gib(v)} GiB" for k, v in r["parts"].items()))
+    if r.get("why_nothing_fits"):
+        lines.append(f"nothing fits: {r['why_nothing_fits']}")
+    parts = {k: v for k, v in r["parts"].items() if k != "in_flight_bytes" or v}
+    lines.append("parts: " + ", ".join(f"{k.replace('_bytes', '').replace('_', ' ')} {_gib(v)} GiB"
+                                       for k, v in parts.items()))
     return "\n".join(lines)
+
+
+_CONFIG_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size",
+                "intermediate_size", "head_dim")
+
+
+def check_config(raw) -> str | None:
+    """What makes a config.json one no model can be built from, in one line (None: nothing)."""
+    for c in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None):
+        if c is None:
+            continue
+        for key in _CONFIG_INTS:
+            if key not in c or c[key] is None:
+                continue
+            v = c[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                return f"{key} must be a whole number, got {v!r}"
+            if v < 1:
+                return f"{key} must be at least 1, got {v}"
+        h, heads, kv = c.get("hidden_size"), c.get("num_attention_heads"), c.get("num_key_value_heads")
+        if h and heads and not c.get("head_dim") and h % heads:
+            return f"hidden_size {h} is not divisible by num_attention_heads {heads} (and no head_dim is given)"
+        if heads and kv and heads % kv:
+            return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -262,6 +473,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    if os.path.isdir(args.config):
+        return _fail(f"--config {args.config!r} is a directory; give its config.json")
     if not os.path.isfile(args.config):
         return _fail(f"--config {args.config!r}: no such file")
     if args.dtype is not None and args.dtype.lower() not in _DTYPES:
@@ -270,9 +483,19 @@ def main(argv=None) -> int:
         args.dtype = args.dtype.lower()
     try:
         with open(args.config) as f:
-            json.load(f)
+            raw = json.load(f)
     except (OSError, ValueError) as e:
         return _fail(f"--config {args.config!r} is not a JSON file: {e}")
+    if not isinstance(raw, dict):
+        return _fail(f"--config {args.config!r}: expected a JSON object")
+    bad = check_config(raw)
+    if bad:
+        return _fail(f"--config {args.config!r}: {bad}")
+    if args.dtype is None:
+        try:
+            config_dtype(args.config)
+        except _ConfigError as e:
+            return _fail(f"--config {args.config!r}: {e}")
     progress = _Progress(quiet=False)
     try:
         with warnings.catch_warnings():
@@ -280,12 +503,19 @@ def main(argv=None) -> int:
             report = run(args, progress)
     except _MarginError as e:
         return _fail(f"--margin: {e}")
+    except _UsageError as e:
+        return _fail(str(e))
+    except ValueError as e:
+        if type(e).__name__ == "RecipeFileError":
+            return _fail(str(e))
+        return _fail(f"--config {args.config!r}: {e}")
     except ImportError as e:
-        return _fail(f"{e} (the estimate builds the model with transformers; --lora-rank needs peft)")
-    except (ValueError, KeyError) as e:
+        return _fail(f"{e} (the estimate builds the model with transformers; LoRA needs peft)")
+    except KeyError as e:
         return _fail(f"--config {args.config!r}: {e}")
     if args.json:
-        out = {k: report[k] for k in ("model", "seq", "batch", "max_seq", "device_margin_bytes")}
+        out = {k: report[k] for k in ("model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes",
+                                      "recipe", "selected_mode", "why_nothing_fits")}
         out["modes"] = {m: (None if row is None else {k: row[k] for k in (
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}

@@ -159,35 +159,66 @@ def numa_nodes():
     return count or None
 
 
+def _slurm_tasks_on_this_node(text, node):
+    """The count for node `node` in a SLURM tasks-per-node list: "8", "8(x2)", "4,2", "8(x2),4"."""
+    counts = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if m is None:
+            raise ValueError(f"SLURM_TASKS_PER_NODE must read like 8, 8(x2) or 4,2, got {text!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+# The launchers' variables for the ranks on this node, in the order they are trusted: torchrun and
+# accelerate, DeepSpeed's launcher, Open MPI, MPICH / Intel MPI, then SLURM's (a job step's first).
+_RANK_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+              "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
 def local_world_size() -> int:
-    """How many ranks of this job share the node: `LOCAL_WORLD_SIZE` as torchrun and accelerate set
-    it, else `LOCAL_SIZE` (DeepSpeed's launcher and some MPI launchers); 1 when neither is set.
-    Never `WORLD_SIZE`, which counts every node's ranks."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        value = os.environ.get(name, "")
+    """How many ranks of this job share the node, from the launcher's variables: `LOCAL_WORLD_SIZE`
+    (torchrun, accelerate), `LOCAL_SIZE` (DeepSpeed's launcher), `OMPI_COMM_WORLD_LOCAL_SIZE` (Open
+    MPI), `MPI_LOCALNRANKS` (MPICH, Intel MPI), SLURM's `SLURM_STEP_TASKS_PER_NODE`,
+    `SLURM_NTASKS_PER_NODE` and `SLURM_TASKS_PER_NODE` (lists such as "8(x2)" or "4,2" read at this
+    node's `SLURM_NODEID`); 1 when none is set. Never `WORLD_SIZE`, which counts every node's ranks.
+    budget="auto", set_capacity("auto") and the estimate command all read it here."""
+    for name in _RANK_VARS:
+        value = os.environ.get(name, "").strip()
         if value == "":
             continue
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
+        if name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            node = os.environ.get("SLURM_NODEID", "0").strip() or "0"
+            n = _slurm_tasks_on_this_node(value, int(node) if node.isdigit() else 0)
+        else:
+            try:
+                n = int(value)
+            except ValueError:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
         if n < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
         return n
     return 1
 
 
+def share_of(available, fraction: float, ranks: int):
+    """One rank's share of a node's host memory: floor(available * fraction) // ranks (None where
+    `available` is None). The one rule for what a rank may pin: budget="auto", set_capacity("auto")
+    and the estimate command's "fits" all take it."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"host_share_bytes: fraction must be a number in (0, 1], got {fraction!r}")
+    if available is None:
+        return None
+    return int(available * fraction) // max(1, int(ranks))
+
+
 def host_share_bytes(fraction: float = 0.5):
-    """This rank's share of the node's host memory: floor(memory_available_bytes() * fraction /
-    local_world_size()), the ranks of one node dividing what is available now (the cgroup's limit
+    """This rank's share of the node's host memory: `share_of(memory_available_bytes(), fraction,
+    local_world_size())`, the ranks of one node dividing what is available now (the cgroup's limit
     included) equally. None where the available memory cannot be read.
 
     fraction: the part of the available memory the node's ranks may pin together, in (0, 1]; the
     rest stays for the data loaders, the optimizer's host state and the page cache.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"host_share_bytes: fraction must be a number in (0, 1], got {fraction!r}")
-    available = memory_available_bytes()
-    if available is None:
-        return None
-    return int(available * fraction) // local_world_size()
+    share_of(0, fraction, 1)  # the fraction checked before anything is read
+    return share_of(memory_available_bytes(), fraction, local_world_size())

@@ -207,8 +207,13 @@ class CostModel:
         u = self._reload_trigger(modes)
         kept = [self.kept[m][i] for i, m in enumerate(modes)]
         shift = sum(kept) - o["kept_none"]
-        peaks = [o["fwd_pre_peak"], o["fwd_head_peak"] + shift, o["bwd_head_peak"] + shift, o["bwd_pre_peak"]]
-        level_fwd = o["fwd_level"]
+        # Gradients freed between steps (measured kept): none exist in the forward, and a block's
+        # appear in its backward (those of the parts outside the blocks counted from the head's on).
+        freed = o.get("freed_block_grads") or [0] * self.n
+        before = sum(freed) + o.get("freed_outside_grads", 0)
+        peaks = [o["fwd_pre_peak"] - before, o["fwd_head_peak"] + shift - before,
+                 o["bwd_head_peak"] + shift - sum(freed), o["bwd_pre_peak"]]
+        level_fwd = o["fwd_level"] - before
         for i, m in enumerate(modes):
             peaks.append(level_fwd + self.fwd_excess[m][i])
             level_fwd += kept[i]
@@ -224,6 +229,7 @@ class CostModel:
                     starts_reload[u[j]] = max(starts_reload[u[j]], self.host[m][j])
         inflight = list(itertools.accumulate(inflight))
         below = 0  # bytes of earlier blocks still held when block i's backward starts
+        not_yet = 0  # freed gradients of the blocks below i, not made when i's backward runs
         for i, m in enumerate(modes):
             excess = self.bwd_excess[m][i]
             if m == "checkpoint" and starts_reload[i]:
@@ -233,7 +239,10 @@ class CostModel:
                     excess = max(excess, self.bwd_excess["checkpoint+offload"][i])
                 else:
                     excess += starts_reload[i]
-            peaks.append(o["bwd_level"] + below + kept[i] + inflight[i] + excess)
+            # A block's backward rises (its recompute, the gradients of its activations) before its
+            # weights' gradients are made at its end: those, and those of the blocks under it, not there.
+            not_yet += freed[i]
+            peaks.append(o["bwd_level"] + below + kept[i] + inflight[i] + excess - not_yet)
             below += kept[i]
         return int(max(peaks))
 

@@ -11,6 +11,7 @@ import torch
 
 import ckpt_offload
 from ckpt_offload import budget, hostmem
+from ckpt_offload.recipe import Recipe
 from ckpt_offload.testing import LiveBytes
 from test_planner import measured_peak  # a steady-state step's peak, as the planner counts it
 from tiny_gpt import grads, loss_of, make_batch, make_model
@@ -56,7 +57,9 @@ def test_optimizer_states_counted_before_they_exist():
     trainable = param_bytes(model, trainable_only=True)
     assert 0 < trainable < param_bytes(model)
     assert budget.optimizer_state_bytes(model, "adamw") == 2 * trainable
-    assert budget.optimizer_state_bytes(model, "sgd") == trainable
+    assert budget.optimizer_state_bytes(model, "sgd") == 0  # transformers' "sgd": no momentum, no state
+    assert budget.optimizer_state_bytes(model, Recipe(optim="sgd", momentum=0.9)) == trainable
+    assert budget.optimizer_state_bytes(model, Recipe(optim="adamw", amsgrad=True)) == 3 * trainable
     assert budget.optimizer_state_bytes(model, None) == 0
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     assert budget.optimizer_state_bytes(model, opt) == 2 * trainable

@@ -253,12 +253,13 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
             "--margin", "0", "--host-memory", "64GiB", "--ranks-per-node", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"model", "seq", "batch", "max_seq", "device_margin_bytes", "modes", "parts"}
+    assert set(out) == {"model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes", "recipe",
+                        "selected_mode", "why_nothing_fits", "modes", "parts"}
     assert out["max_seq"] == 4096
     assert out["device_margin_bytes"] == 0
     assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2
     assert set(out["modes"]) == {"none", "checkpoint", "checkpoint+offload", "every_n=2", "plan"}
-    assert set(out["parts"]) == {"weights_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes",
+    assert set(out["parts"]) == {"weights_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes", "in_flight_bytes",
                                  "checkpoint_input_bytes"}
     for mode, row in out["modes"].items():
         assert set(row) == {"device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq"}
@@ -338,7 +339,7 @@ def test_cli_leaves_the_auto_margin_unplanned_by_default(small_config, capsys):
     assert rc == 2 and "--margin" in err and "leaves nothing" in err, err
     rc, out, err = run_main(capsys, "--config", small_config, "--seq", "256", "--device-memory", "2GiB",
                             "--margin", "1.5GiB", "--host-memory", "1TiB")
-    assert rc == 0 and "(1.50 GiB of it left unplanned)" in out, err
+    assert rc == 0 and "1.50 GiB of it left unplanned)" in out, err
 
 
 def test_cli_dtype_optimizer_and_lora_flags_change_the_parts_they_name(small_config, capsys):
@@ -356,7 +357,9 @@ def test_cli_dtype_optimizer_and_lora_flags_change_the_parts_they_name(small_con
     assert fp32["weights_bytes"] == 4 * n and fp32["grads_bytes"] == 4 * n
     assert fp32["optimizer_bytes"] == 8 * n  # AdamW: two fp32 states per trainable element
     assert parts("--dtype", "bf16")["weights_bytes"] == 2 * n
-    assert parts("--dtype", "fp32", "--optimizer", "sgd")["optimizer_bytes"] == 4 * n
+    assert parts("--dtype", "fp32", "--optim", "sgd", "--optim-args", "momentum=0.9")["optimizer_bytes"] == 4 * n
+    assert parts("--dtype", "fp32", "--optimizer", "sgd")["optimizer_bytes"] == 0  # transformers' sgd: no momentum
+    assert parts("--dtype", "bf16")["optimizer_bytes"] == 4 * n  # AdamW's states in the parameters' bf16
     assert parts("--dtype", "fp32", "--optimizer", "none")["optimizer_bytes"] == 0
     lora = parts("--dtype", "fp32", "--lora-rank", "4")
     assert 0 < lora["grads_bytes"] < fp32["grads_bytes"] // 10  # only the adapters train
@@ -391,7 +394,9 @@ def test_parse_size():
     assert parse_size("2TiB") == 2 * 2 ** 40
     assert parse_size("80GB") == 80 * 10 ** 9
     assert parse_size("1.5GiB") == 3 * 2 ** 29
-    assert parse_size("4096") == 4096
+    assert parse_size("1073741824") == 2 ** 30
+    with pytest.raises(Exception, match="missing unit"):
+        parse_size("80")  # 80 bytes of device memory: a forgotten GiB
 
 
 def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeypatch):
@@ -428,7 +433,7 @@ def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, mon
         for chunk in body.strip().split("\n\n"):
             command, _, shown = chunk.partition("\n")
             runs.append((command[len("$ python -m ckpt_offload estimate "):].split(), shown.strip()))
-    assert len(runs) == 4  # full fine-tuning at 8k; LoRA at 8k, 32k and 128k
+    assert len(runs) == 7  # full fine-tuning pure bf16, fp32 master, sharded; LoRA at 8k, 32k, 128k, 128k fused
     for argv, shown in runs:
         assert main(argv) == 0
         assert capsys.readouterr().out.strip() == shown, " ".join(argv)

@@ -36,7 +36,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(hostmem, "_CGROUP_ROOT", str(root))
     monkeypatch.setattr(hostmem, "_SELF_CGROUP", str(self_cgroup))
     monkeypatch.setattr(hostmem, "_NODES", str(nodes))
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+    for name in ("WORLD_SIZE", *hostmem._RANK_VARS, "SLURM_NODEID"):
         monkeypatch.delenv(name, raising=False)
 
     class Tree:
@@ -173,7 +173,27 @@ def test_local_world_size_from_the_launchers(fake, monkeypatch):
     assert hostmem.local_world_size() == 4
 
 
-@pytest.mark.parametrize("name", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+@pytest.mark.parametrize("env, ranks", [
+    ({"SLURM_NTASKS_PER_NODE": "8"}, 8),  # srun --ntasks-per-node=8
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}, 8),  # srun -N2 -n16
+    ({"SLURM_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "0"}, 4),  # an uneven job: each node its own count
+    ({"SLURM_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "1"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, 2),  # the job step's own
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 8),  # Open MPI's mpirun
+    ({"MPI_LOCALNRANKS": "8"}, 8),  # MPICH's / Intel MPI's mpiexec
+    ({"SLURM_NTASKS_PER_NODE": "1", "LOCAL_WORLD_SIZE": "8"}, 8),  # srun starting torchrun: torchrun's ranks
+])
+def test_local_world_size_under_srun_and_mpi(fake, monkeypatch, env, ranks):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert hostmem.local_world_size() == ranks
+    # budget="auto" and set_capacity("auto") divide the node by the same count.
+    assert hostmem.host_share_bytes() == AVAILABLE // 2 // ranks
+
+
+@pytest.mark.parametrize("name", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                                  "SLURM_NTASKS_PER_NODE"])
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_local_world_size_refuses_nonsense(fake, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
