@@ -634,7 +634,9 @@ def _largest(ok, limit=1 << 40):
     while hi < limit and ok(hi):
         lo, hi = hi, hi * 2
     if hi >= limit:
-        return limit
+        if ok(limit):
+            return limit
+        hi = limit  # doubling passed the limit: ok(lo) holds, ok(limit) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

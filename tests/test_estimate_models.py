@@ -251,3 +251,14 @@ def test_api_without_labels_counts_the_loss_the_command_counts(tmp_path, capsys)
     # a loss of one's own is counted as given
     own = estimate_memory(model, (x,), loss_fn=lambda out: out.logits.float().square().mean())
     assert own.peak_bytes["checkpoint"] != cli["modes"]["checkpoint"]["device_peak_bytes"]
+
+
+def test_the_longest_search_checks_the_positions_cap_itself():
+    # Doubling from 1 lands on a power of two; where that is the model's cap (131072 positions), the
+    # cap is the answer only if it fits there: a mode that stops fitting at 97611 must not read 131072.
+    from ckpt_offload.estimate import _largest
+
+    assert _largest(lambda s: s <= 97611, limit=131072) == 97611
+    assert _largest(lambda s: s <= 131072, limit=131072) == 131072
+    assert _largest(lambda s: True, limit=1000) == 1000
+    assert _largest(lambda s: s <= 700, limit=1000) == 700
