@@ -48,7 +48,7 @@ else
 fi
 
 rm -f latest-failed.txt
-.venv/bin/python -m pytest -q -rs -p no:cacheprovider "${@:-tests}" -o console_output_style=classic \
+.venv/bin/python -m pytest -q -rfEs -p no:cacheprovider "${@:-tests}" -o console_output_style=classic \
   --junit-xml=latest.xml > latest-pytest.log 2>&1
 rc=$?
 tail -n 3 latest-pytest.log

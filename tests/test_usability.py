@@ -336,7 +336,11 @@ def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
     (venv / "bin" / "python").chmod(0o755)
     env = dict(os.environ, VENV=str(venv))
     reqs = venv / ".ckpt_offload_dev_requirements.txt"
-    install = f"-m pip install -q -r {reqs}"
+    # CI's versions: every install is constrained by constraints.txt (a copy here, to change it).
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(open(os.path.join(ROOT, "constraints.txt")).read())
+    env["CONSTRAINTS"] = str(constraints)
+    install = f"-m pip install -q -r {reqs} -c {constraints}"
 
     def run():
         p = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -352,12 +356,20 @@ def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
         import dev_requirements
     finally:
         sys.path.pop(0)
-    assert reqs.read_text().splitlines() == dev_requirements.dev_requirements(dev_requirements.load())
+    listed = reqs.read_text().splitlines()
+    assert [r for r in listed if not r.startswith("#")] == dev_requirements.dev_requirements(dev_requirements.load())
+    assert [r[len("# pinned: "):] for r in listed if r.startswith("#")] == constraints.read_text().splitlines()
     out, calls = run()
     assert calls == [] and "pip skipped" in out
     (venv / ".ckpt_offload_requirements.sha256").write_text("an older list\n")
     out, calls = run()
     assert calls == [install]
+    # A moved pin installs again, though pyproject.toml did not change.
+    out, calls = run()
+    assert calls == []
+    constraints.write_text(constraints.read_text().replace("\ntorch==", "\n# torch, unpinned: "))
+    out, calls = run()
+    assert calls == [install] and "at the versions in" in out
 
 
 # -- one rule for offload's default ----------------------------------------------------------------
