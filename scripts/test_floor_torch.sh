@@ -10,9 +10,10 @@ ROOT=$PWD
 TORCH_FLOOR_DIR=${TORCH_FLOOR_DIR:-/tmp/ckpt_offload_torch_floor}
 bash scripts/copy_tree.sh "$TORCH_FLOOR_DIR"
 cd "$TORCH_FLOOR_DIR"
-# The floor releases, and constraints.txt for the rest less torch and what pip installs with it.
+# The floor releases, and constraints.txt for the rest less torch, what pip installs with it, and
+# setuptools (torch 2.11 asks for setuptools<82).
 { grep -v '^#' constraints-floor.txt
-  grep -v -E -i '^(#|torch==|nvidia-|cuda-|triton==)' constraints.txt \
+  grep -v -E -i '^(#|torch==|nvidia-|cuda-|triton==|setuptools==)' constraints.txt \
     | grep -v -i -f <(grep -v '^#' constraints-floor.txt | sed 's/==.*//; s/.*/^&==/'); } > constraints-torch-floor.txt
 grep -q '^torch==' constraints-torch-floor.txt || { echo "constraints-floor.txt names no torch" >&2; exit 2; }
 PIP_CONSTRAINT=/dev/null CONSTRAINTS=constraints-torch-floor.txt VENV=.venv bash scripts/setup.sh
