@@ -69,8 +69,11 @@ class _Live(LiveBytes):
         if count is not None:
             try:
                 self.flops += int(count(*args, **kwargs, out_val=out))
-            except (TypeError, ValueError, RuntimeError, AttributeError):
-                pass  # a formula that does not take this overload's arguments: no FLOPs counted
+            except (TypeError, ValueError, RuntimeError, AttributeError, AssertionError):
+                # A formula that does not take this overload's arguments (torch 2.11's SDPA formula
+                # asserts equal query and key heads, which grouped-query attention has not): no
+                # FLOPs counted for it. FLOPs only order plans by time; the bytes are unaffected.
+                pass
         self.add(tree_leaves(out))
         return out
 
@@ -257,8 +260,8 @@ def _call(model, inputs):
 
 
 class _InputSaves:
-    """Saved-tensor hooks around the step: what a checkpoint saves of its inputs (torch's
-    `_CheckpointFrame.save_inputs`, under the hooks outside it: what an offload sends), given to the
+    """Saved-tensor hooks around the step: what a checkpoint saves of its inputs (where torch saves
+    them, under the hooks outside it: what an offload sends), given to the
     block whose forward ends next. Where transformers puts its checkpoint call does not matter: inside
     the layer's forward (after the block's hooks) or around its `__call__` (before them), the inputs are
     saved after the previous block's forward ended and before this one's does."""
@@ -289,18 +292,28 @@ class _InputSaves:
         for b in self.blocks:
             for p in [*b.parameters(), *b.buffers()]:
                 self.weights.add(p.untyped_storage()._cdata)
-        frame = tuc._CheckpointFrame
-        self._save_inputs = original = frame.save_inputs
+        # Where torch saves a checkpoint's inputs: _CheckpointFrame.save_inputs (torch 2.14), or the
+        # no-op Function whose save_for_backward holds them (2.11 to 2.13), packed when its apply
+        # returns (after setup_context), so the whole apply is the span.
+        if hasattr(tuc._CheckpointFrame, "save_inputs"):
+            self._owner, self._name = tuc._CheckpointFrame, "save_inputs"
+        else:
+            self._owner, self._name = tuc._NoopSaveInputs, "apply"
+        self._original = self._owner.__dict__.get(self._name)
+        original = getattr(self._owner, self._name)
         saves = self
 
-        def save_inputs(frame_self, *args):
+        def saving(*args):
             saves.saving = True
             try:
-                return original(frame_self, *args)
+                return original(*args)
             finally:
                 saves.saving = False
 
-        frame.save_inputs = save_inputs
+        if self._name == "apply":  # a classmethod, bound above: the owner's own attribute shadows it
+            setattr(self._owner, self._name, staticmethod(saving))
+        else:
+            setattr(self._owner, self._name, saving)
 
         def post(i):
             def hook(module, args, out):
@@ -316,10 +329,11 @@ class _InputSaves:
         return self
 
     def __exit__(self, *exc):
-        from torch.utils import checkpoint as tuc
-
         self.hooks.__exit__(*exc)
-        tuc._CheckpointFrame.save_inputs = self._save_inputs
+        if self._original is None:
+            delattr(self._owner, self._name)  # the inherited one again
+        else:
+            setattr(self._owner, self._name, self._original)
         for h in self.handles:
             h.remove()
 
