@@ -11,7 +11,7 @@ from ._args import command_name
 
 COMMANDS = {
     "env": ("ckpt_offload.envreport", "what this machine, its torch and this build are (for bug reports)"),
-    "estimate": ("ckpt_offload.estimate_cli", "the memory of a training step, sized on the meta device"),
+    "estimate": ("ckpt_offload.sizing.cli", "the memory of a training step, sized on the meta device"),
 }
 
 

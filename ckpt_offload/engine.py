@@ -7,7 +7,7 @@ import torch
 
 from ._args import check_bool, check_size
 from ._loader import load
-from . import budget as _budget
+from .sizing import budget as _budget
 
 _C = load()
 _pool_set_capacity = _C.HostPool.set_capacity
@@ -69,7 +69,7 @@ def guard_node(pool) -> int:
         int: the reserve in bytes: the larger of 5% of the node's memory (its cgroup's limit where
             lower) and 1 GiB; 0 where nothing can be read (the guard is then off).
     """
-    from . import hostmem
+    from .sizing import hostmem
 
     meminfo, cgroups = hostmem.available_sources()
     machine = hostmem.memory_total_bytes()  # None: no readable meminfo, which the guard then skips

@@ -12,7 +12,7 @@ import platform
 import sys
 import time
 
-from . import hostmem, nvidia
+from .sizing import hostmem, nvidia
 from ._args import command_name
 from ._version import __version__
 

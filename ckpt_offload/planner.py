@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from . import budget as _budget
+from .sizing import budget as _budget
 from . import engine as _engine
 from . import policies
 from .midpoints import _in_backward
@@ -686,7 +686,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
     if params and params[0].device.type == "meta":
         # A model on the meta device: the bytes from estimate_memory (no optimizer states, as the
         # budget counts none), the times from FLOPs at a nominal rate; its modes only.
-        from .estimate import estimate_memory
+        from .sizing.estimate import estimate_memory
 
         cost = estimate_memory(model, example_inputs, optimizer=None, loss_fn=loss_fn).cost_model
         missing = [m for m in modes if m not in cost.modes]

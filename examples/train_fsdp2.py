@@ -108,7 +108,7 @@ def main():
         # same pinned pool and copy engine, so the run exercises what a GPU run does.
         os.environ.setdefault("CKPT_OFFLOAD_TEST_CPU", "1")
     import ckpt_offload  # after the switch above: sessions read it when created
-    from ckpt_offload import hostmem
+    from ckpt_offload.sizing import hostmem
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckpt_offload
-from ckpt_offload import budget, hostmem
-from ckpt_offload.recipe import Recipe
+from ckpt_offload.sizing import budget, hostmem
+from ckpt_offload.sizing.recipe import Recipe
 from ckpt_offload.testing import LiveBytes
 from test_planner import measured_peak  # a steady-state step's peak, as the planner counts it
 from tiny_gpt import grads, loss_of, make_batch, make_model

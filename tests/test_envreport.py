@@ -15,7 +15,8 @@ import torch
 
 from conftest import HAS_CUDA, requires_cuda
 from ckpt_offload import __main__ as dispatcher
-from ckpt_offload import envreport, hostmem, nvidia
+from ckpt_offload import envreport
+from ckpt_offload.sizing import hostmem, nvidia
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"ckpt_offload", "python", "platform", "torch", "build", "cuda", "host", "packages", "settings"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt_offload
-from ckpt_offload.estimate import estimate_memory
+from ckpt_offload.sizing.estimate import estimate_memory
 from ckpt_offload.testing import LiveBytes
 from tiny_gpt import make_batch, make_model
 
@@ -286,7 +286,7 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
 
 
 def run_main(capsys, *args):
-    from ckpt_offload.estimate_cli import main
+    from ckpt_offload.sizing.cli import main
 
     rc = main(list(args))
     out = capsys.readouterr()
@@ -388,7 +388,7 @@ def test_cli_without_device_memory_reports_null_fits(small_config, capsys, monke
 
 
 def test_parse_size():
-    from ckpt_offload.estimate_cli import parse_size
+    from ckpt_offload.sizing.cli import parse_size
 
     assert parse_size("80GiB") == 80 * 2 ** 30 == parse_size("80G")
     assert parse_size("2TiB") == 2 * 2 ** 40
@@ -404,7 +404,7 @@ def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeyp
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     ids = torch.empty(2, 96, dtype=torch.long, device="meta")
-    import ckpt_offload.estimate as estimate
+    import ckpt_offload.sizing.estimate as estimate
 
     chosen, _ = estimate._representatives(ckpt_offload.find_repeated_blocks(model))
     assert chosen == [0, 1, 6]
@@ -419,7 +419,7 @@ def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, mon
     # run here as written (in this process), and its output must be the page's, figure for figure.
     from test_docs import fences
 
-    from ckpt_offload.estimate_cli import main
+    from ckpt_offload.sizing.cli import main
 
     page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "estimate.md")).read()
     blocks = fences(page[page.index("## Worked example"):])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ckpt_offload
-import ckpt_offload.estimate as estimate
-from ckpt_offload.estimate import estimate_memory
+import ckpt_offload.sizing.estimate as estimate
+from ckpt_offload.sizing.estimate import estimate_memory
 
 transformers = pytest.importorskip("transformers", reason="needs transformers for the model-config tests")
 
@@ -195,7 +195,7 @@ def test_gemma3_vision_language_text_only_step_measures_the_text_layers():
 
 
 def run_cli(capsys, tmp_path, config, *args):
-    from ckpt_offload.estimate_cli import main
+    from ckpt_offload.sizing.cli import main
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -256,7 +256,7 @@ def test_api_without_labels_counts_the_loss_the_command_counts(tmp_path, capsys)
 def test_the_longest_search_checks_the_positions_cap_itself():
     # Doubling from 1 lands on a power of two; where that is the model's cap (131072 positions), the
     # cap is the answer only if it fits there: a mode that stops fitting at 97611 must not read 131072.
-    from ckpt_offload.estimate import _largest
+    from ckpt_offload.sizing.estimate import _largest
 
     assert _largest(lambda s: s <= 97611, limit=131072) == 97611
     assert _largest(lambda s: s <= 131072, limit=131072) == 131072

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ckpt_offload import hostmem
+from ckpt_offload.sizing import hostmem
 
 GiB = 2**30
 TOTAL, AVAILABLE = 64 * GiB, 40 * GiB

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ckpt_offload
-from ckpt_offload import budget, recipe
-from ckpt_offload.estimate import estimate_memory
-from ckpt_offload.recipe import Recipe
+from ckpt_offload.sizing import budget, recipe
+from ckpt_offload.sizing.estimate import estimate_memory
+from ckpt_offload.sizing.recipe import Recipe
 from ckpt_offload.testing import LiveBytes
 from tiny_gpt import make_batch, make_model
 

@@ -418,11 +418,12 @@ def test_set_capacity_takes_sizes_with_units_and_refuses_the_rest():
 def test_estimate_command_reads_sizes_with_the_same_parser():
     import argparse
 
-    from ckpt_offload import _args, estimate_cli
+    from ckpt_offload import _args
+    from ckpt_offload.sizing import cli
 
-    assert estimate_cli.parse_size("80GiB") == _args.parse_size("80GiB") == 80 * 2**30
+    assert cli.parse_size("80GiB") == _args.parse_size("80GiB") == 80 * 2**30
     with pytest.raises(argparse.ArgumentTypeError, match="bad size 'x'"):
-        estimate_cli.parse_size("x")
+        cli.parse_size("x")
 
 
 # -- the refusal warning says what is true --------------------------------------------------------

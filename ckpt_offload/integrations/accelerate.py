@@ -16,7 +16,7 @@ except ImportError as err:  # pragma: no cover - exercised only without accelera
 from .. import enable_checkpointing
 from .._args import check_prefetch as _check_prefetch
 from .._patching import NamePatch
-from .. import budget as _budget
+from ..sizing import budget as _budget
 from ..engine import host_pool
 
 _NAME = "fsdp2_apply_ac"

@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "ckpt_offload.integrations.hf needs transformers>=5 (and accelerate for Trainer): pip install transformers accelerate"
     ) from err
 
-from .. import budget as _budget
+from ..sizing import budget as _budget
 from .. import policies
 from ..attachment import Attachment, owner_of
 from .._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS

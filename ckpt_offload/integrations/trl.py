@@ -21,7 +21,7 @@ from .._args import check_prefetch as _check_prefetch
 from ..activations import offload_activations
 from .. import find_repeated_blocks
 from .._patching import NamePatch
-from .. import budget as _budget
+from ..sizing import budget as _budget
 from ..engine import host_pool
 
 _NAME = "get_act_offloading_ctx_manager"

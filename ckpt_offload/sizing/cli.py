@@ -10,9 +10,9 @@ import sys
 import time
 import warnings
 
-from . import _args
+from .. import _args
 
-from ._args import command_name
+from .._args import command_name
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
            "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -218,7 +218,7 @@ def _lora(model, kw, adapter_dtype=None):
     import torch
     from torch import nn
 
-    from .model import find_repeated_blocks
+    from ..model import find_repeated_blocks
 
     kw = dict(kw)
     kw.setdefault("r", 8)

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import planner as _planner
+from .. import planner as _planner
 from . import recipe as _recipe
-from .testing import LiveBytes
-from .model import disable_checkpointing, enable_block_modes, find_repeated_blocks
-from .training import training_mode
+from ..testing import LiveBytes
+from ..model import disable_checkpointing, enable_block_modes, find_repeated_blocks
+from ..training import training_mode
 
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
 ATTENTION = ("flash", "efficient", "math")
@@ -286,7 +286,7 @@ class _InputSaves:
     def __enter__(self):
         from torch.utils import checkpoint as tuc
 
-        from .midpoints import _in_backward
+        from ..midpoints import _in_backward
 
         self.weights = set()
         for b in self.blocks:
