@@ -24,7 +24,8 @@ if _load_error is None:
     from .session import OffloadSession  # noqa: E402
     from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
     from .reserve import reserve_for  # noqa: E402
-    from .planner import MemoryPlan, plan_memory  # noqa: E402
+    from .planner import MemoryPlan  # noqa: E402
+    from .sizing.plan import plan_memory  # noqa: E402
     from .sizing.estimate import MemoryEstimate, estimate_memory  # noqa: E402
     # The function shadows its module's name in the package (the module stays in sys.modules).
     from .timeline import Timeline, timeline  # noqa: E402

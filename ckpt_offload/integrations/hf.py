@@ -197,7 +197,8 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
 
 def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs,
                     optimizer="adamw"):
-    from ..planner import _check_budget, plan_memory
+    from ..planner import _check_budget
+    from ..sizing.plan import plan_memory
 
     if not isinstance(example_inputs, tuple):
         raise TypeError(

@@ -1,5 +1,4 @@
-"""Sizing a training step: the estimate on the meta device (`estimate`) and its recipe (`recipe`,
-`recipe_files`), the budgets read off the device and the node (`budget`, `hostmem`, `nvidia`), and
-the `estimate` command (`cli`). The public names are ckpt_offload's own (`estimate_memory`,
-`plan_memory`); nothing is imported here, so that the engine can use `budget` and `hostmem` alone.
+"""Sizing a training step: the estimate on the meta device and its recipe, the budgets read off the
+device and the node, plan_memory's entry point, and the `estimate` command. Nothing is imported here
+(the public names are ckpt_offload's own), so that the engine can use `budget` and `hostmem` alone.
 """
