@@ -499,7 +499,7 @@ class MemoryPlan:
         rows (list[dict]): per block, `mode`, `device_bytes`, `host_bytes` and `ms`, as `table()`
             prints them.
         cost_model (CostModel | None): the measurements; None for a plan read with `from_json`.
-        auto (ckpt_offload.budget.AutoBudget | None): for `budget_bytes="auto"`, the figures the
+        auto (ckpt_offload.sizing.budget.AutoBudget | None): for `budget_bytes="auto"`, the figures the
             budgets were read from (`auto.describe()` says them in a line).
     """
 
@@ -513,7 +513,7 @@ class MemoryPlan:
         self.rows = rows or []  # per block: mode, device_bytes, host_bytes, ms
         self.cost_model = cost_model  # None for a plan read back with from_json
         self.smallest_peak_bytes = smallest_peak_bytes  # the smallest feasible budget found
-        self.auto = None  # budget='auto': the figures it was read from (ckpt_offload.budget.AutoBudget)
+        self.auto = None  # budget='auto': the figures it was read from (ckpt_offload.sizing.budget.AutoBudget)
         self._modes_allowed = None  # the modes the search chose from (None: all that were measured)
 
     def replan(self, budget_bytes: int, host_budget_bytes=None) -> "MemoryPlan":

@@ -108,13 +108,13 @@ def _storages_bytes(tensors) -> int:
 
 def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
     """The bytes the optimizer's states will take that are not allocated yet, as
-    `ckpt_offload.recipe` counts them (the estimate counts through the same functions).
+    `ckpt_offload.sizing.recipe` counts them (the estimate counts through the same functions).
 
     Args:
         model: its parameters with `requires_grad` are the trainable ones.
         optimizer: a transformers `optim` name (`"adamw"`, `"adamw_torch"`, `"adamw_bnb_8bit"`,
             `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`), `"none"` or None (zero), a
-            `ckpt_offload.recipe.Recipe`, or a `torch.optim.Optimizer` (accelerate's wrapper looked
+            `ckpt_offload.sizing.recipe.Recipe`, or a `torch.optim.Optimizer` (accelerate's wrapper looked
             through): only its parameters whose state is still empty count, each as that optimizer
             allocates it (AdamW two states in the parameter's dtype, three with amsgrad; SGD one
             with momentum, none without; unknown optimizers two, an upper bound for most).

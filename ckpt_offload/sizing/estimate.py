@@ -9,7 +9,7 @@ from it; `"checkpoint+offload"` follows from `"checkpoint"` with each block's ch
 the host. Identical blocks are measured once: the first block, one more of each kind, the last; the
 others take their figures.
 
-`python -m ckpt_offload estimate` (ckpt_offload.estimate_cli) does the same for a transformers config.json.
+`python -m ckpt_offload estimate` (ckpt_offload.sizing.cli) does the same for a transformers config.json.
 """
 from __future__ import annotations
 
@@ -698,7 +698,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         attention: the SDPA backend counted: `"flash"`, `"efficient"` (both keep the output and
             the log-sum-exp), `"math"` (the probabilities), or None for what torch picks on a GPU
             (see `default_attention`). Models in eager attention are counted as they run.
-        recipe: a `ckpt_offload.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
+        recipe: a `ckpt_offload.sizing.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
             quantized base weights, sharding (default: `Recipe(optim=optimizer)`, transformers' loss,
             gradients kept, the weights in the model's dtype, one rank). Build the model in the dtype
             the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights.
@@ -723,7 +723,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         except ValueError as e:
             raise ValueError(f"estimate_memory: {e}") from None
     elif not isinstance(recipe, _recipe.Recipe):
-        raise TypeError(f"estimate_memory: recipe must be a ckpt_offload.recipe.Recipe, got {type(recipe).__name__}")
+        raise TypeError(f"estimate_memory: recipe must be a ckpt_offload.sizing.recipe.Recipe, got {type(recipe).__name__}")
     elif optimizer != "adamw" and _recipe.optim_name(optimizer) != recipe.optim:
         raise ValueError(f"estimate_memory: optimizer={optimizer!r} and recipe.optim={recipe.optim!r} disagree; "
                          f"give the optimizer in the recipe")

@@ -30,7 +30,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
         budget_bytes: the peak device memory of a training step, including weights, gradients
             (kept allocated) and inputs: `max_memory_allocated` on a GPU,
             `ckpt_offload.testing.LiveBytes` on the CPU test path. `"auto"`: read off the device
-            now (`ckpt_offload.budget.auto_budget`: what torch holds plus what is free, less a
+            now (`ckpt_offload.sizing.budget.auto_budget`: what torch holds plus what is free, less a
             margin of max(5%, 1 GiB), less the optimizer's states not yet allocated), and the host
             budget too unless `host_budget_bytes` is given; one log line (logger `ckpt_offload`,
             INFO) says what was chosen and why, and the plan's `auto` attribute holds the figures.
