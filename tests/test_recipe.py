@@ -63,6 +63,52 @@ def test_state_bytes_are_what_torch_allocates(name, dtype):
     assert est.parts["optimizer_bytes"] == counted
 
 
+# As torch steps on a GPU (foreach kernels, its default for CUDA tensors), forced here on the CPU.
+STEPPERS = {
+    "adamw_torch": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "adamw amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True, foreach=True),
+    "adamw_torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, foreach=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(STEPPERS))
+def test_step_temporaries_are_what_torch_allocates(name, dtype):
+    model = make_model(layers=2, hidden=32, heads=4, max_len=16).to(dtype)
+    params = list(model.parameters())
+    opt = _stepped(model, STEPPERS[name](params))  # the states exist: a steady-state step
+    before = [*params, *(p.grad for p in params), *(t for s in opt.state.values() for t in s.values())]
+    with LiveBytes() as live:
+        live.add(before)
+        held = live.current()
+        opt.step()
+    counted = sum(recipe.step_temp_bytes(p, name.split()[0]) for p in params)
+    # Beyond the temporaries, torch's CPU step counters add a 0-d tensor or two.
+    assert live.peak - held == pytest.approx(counted, abs=64), (name, live.peak - held, counted)
+
+
+def test_the_optimizer_step_is_a_peak_of_its_own():
+    # Few activations beside fp32 weights, gradients and AdamW states: the step's temporaries (the
+    # square roots of the second moments, a copy of the parameters) make the step's peak.
+    model = make_model(layers=2, hidden=128, heads=4, max_len=16)
+    ids = make_batch(batch=1, seq=4)
+    loss = lambda out: out.float().mean()
+    meta = make_model(layers=2, hidden=128, heads=4, max_len=16, device="meta")
+    est = estimate_memory(meta, (ids.to("meta"),), loss_fn=loss, attention="flash", recipe=Recipe(optim="adamw_torch"))
+    opt = _stepped(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    states = [t for s in opt.state.values() for t in s.values()]
+    with LiveBytes() as live:
+        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids, *states])
+        loss(model(ids)).backward()
+        opt.step()
+    assert est.step_peak_bytes == pytest.approx(live.peak, rel=0.03), (est.step_peak_bytes, live.peak)
+    for mode in ("none", "checkpoint"):
+        assert est.peak_bytes[mode] == pytest.approx(live.peak, rel=0.03), (mode, est.peak_bytes[mode], live.peak)
+
+
 def test_transformers_adafactor_states():
     transformers = pytest.importorskip("transformers")
     model = make_model(layers=2, hidden=32, heads=4, max_len=16).to(torch.bfloat16)
@@ -141,7 +187,9 @@ def test_fp32_master_weights_under_autocast_count_fp32_weights_gradients_and_sta
     assert master.parts["weights_bytes"] == 4 * n and master.parts["grads_bytes"] == 4 * n
     assert master.parts["optimizer_bytes"] == 8 * n
     for mode in pure.peak_bytes:
-        assert master.peak_bytes[mode] - pure.peak_bytes[mode] == 2 * n + 2 * n + 4 * n
+        assert master.activation_peak_bytes[mode] - pure.activation_peak_bytes[mode] == 2 * n + 2 * n + 4 * n
+    # The optimizer's step: the same, and its temporary (a copy of the parameters) in fp32 too.
+    assert master.step_peak_bytes - pure.step_peak_bytes == 2 * n + 2 * n + 4 * n + 2 * n
 
 
 @pytest.mark.parametrize("mode", ["none", "checkpoint", "checkpoint+offload", "every_n=2"])
