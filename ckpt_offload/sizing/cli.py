@@ -351,8 +351,9 @@ def run(args, progress=None):
         except ValueError:
             low = min(MODES, key=lambda m: est.peak_bytes[m])
             modes["plan"] = dict(modes[low], fits=False, blocks=_runs(est.modes[low]))
-            if static > usable:
-                why = (f"the weights, gradients and optimizer states alone take {_gib(static)} GiB of the "
+            if max(static, est.step_peak_bytes) > usable:
+                why = (f"the weights, gradients and optimizer states alone take {_gib(static)} GiB "
+                       f"({_gib(est.step_peak_bytes)} GiB while the optimizer steps) of the "
                        f"{_gib(usable)} GiB planned, before any activation: shard them (--shard), quantize the "
                        f"base (--quantize with LoRA), train adapters, or change the optimizer")
             elif host_rank is not None and min(est.host_bytes[m] for m in MODES) <= host_rank < \
@@ -369,7 +370,8 @@ def run(args, progress=None):
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "max_seq": est.max_seq, "sources": _sources(args),
             "recipe": described, "selected_mode": selected, "why_nothing_fits": why,
-            "attention": est.attention, "modes": modes, "parts": est.parts}
+            "attention": est.attention, "modes": modes, "parts": est.parts,
+            "optimizer_step_peak_bytes": est.step_peak_bytes}
 
 
 class _UsageError(ValueError):
@@ -438,7 +440,8 @@ def format_report(r) -> str:
         lines.append(f"nothing fits: {r['why_nothing_fits']}")
     parts = {k: v for k, v in r["parts"].items() if k != "in_flight_bytes" or v}
     lines.append("parts: " + ", ".join(f"{k.replace('_bytes', '').replace('_', ' ')} {_gib(v)} GiB"
-                                       for k, v in parts.items()))
+                                       for k, v in parts.items())
+                 + f"; while the optimizer steps {_gib(r['optimizer_step_peak_bytes'])} GiB")
     return "\n".join(lines)
 
 
@@ -520,6 +523,7 @@ def main(argv=None) -> int:
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}
         out["parts"] = report["parts"]
+        out["optimizer_step_peak_bytes"] = report["optimizer_step_peak_bytes"]
         print(json.dumps(out))
     else:
         print(format_report(report))

@@ -412,6 +412,11 @@ class MemoryEstimate:
             loss makes one; what the chunked or fused loss holds of them), `checkpoint_input_bytes`
             (what every block's checkpoint keeps: its inputs) and `in_flight_bytes` (sharded blocks
             gathered, a quantized weight dequantized).
+        step_peak_bytes (int): the device bytes while the optimizer steps, after the backward: the
+            weights, every gradient, the states, the buffers and the step's own temporaries (a
+            foreach AdamW's copy of the second moments' square roots). Each mode's peak is at least this.
+        activation_peak_bytes (dict[str, int]): per mode, the peak of the forward and the backward
+            alone; `peak_bytes` is the larger of it and `step_peak_bytes`.
         recipe (recipe.Recipe): what was counted.
         modes (dict[str, list[str]]): per mode, the mode of each block (as `enable_block_modes`
             takes them).
@@ -426,8 +431,9 @@ class MemoryEstimate:
     """
 
     def __init__(self, cost_model, extra_bytes, parts, seq=None, batch=None, attention=(), resize=None,
-                 quadratic=False, max_seq=None, recipe=None):
+                 quadratic=False, max_seq=None, recipe=None, step_peak_bytes=0):
         self.cost_model = cost_model
+        self.step_peak_bytes = int(step_peak_bytes)
         # Through the whole step: the optimizer's states, and the recipe's static parts less those the
         # measured step held (fp32 master weights, quantized or sharded ones; negative where smaller).
         self.extra_bytes = int(extra_bytes)
@@ -446,6 +452,8 @@ class MemoryEstimate:
             "checkpoint+offload": ["checkpoint+offload"] * n,
             "every_n=2": _planner.uniform_modes(n, 2, False),
         }
+        # The forward and backward's peaks, which grow with the length (the step's does not).
+        self.activation_peak_bytes = {m: int(self.cost_model.peak(v) + self.extra_bytes) for m, v in self.modes.items()}
         self.peak_bytes = {m: self.peak_of(v) for m, v in self.modes.items()}
         self.host_bytes = {m: cost_model.host_bytes(v) for m, v in self.modes.items()}
 
@@ -457,9 +465,10 @@ class MemoryEstimate:
             modes: one mode per repeated block, in forward order.
 
         Returns:
-            int: the predicted peak, optimizer states included.
+            int: the predicted peak, optimizer states included: the larger of the forward and
+            backward's and the optimizer step's.
         """
-        return int(self.cost_model.peak(list(modes)) + self.extra_bytes)
+        return max(int(self.cost_model.peak(list(modes)) + self.extra_bytes), self.step_peak_bytes)
 
     def plan(self, device_bytes: int, host_bytes=None):
         """The fastest per-block plan predicted to fit, from the estimate (no profiling).
@@ -478,15 +487,18 @@ class MemoryEstimate:
         if budget <= 0:
             raise ValueError(f"MemoryEstimate.plan: the optimizer states and the recipe's other static parts "
                              f"({self.extra_bytes} bytes) take the device's {device_bytes} bytes")
+        if self.step_peak_bytes > device_bytes:
+            raise ValueError(f"MemoryEstimate.plan: the optimizer step ({self.step_peak_bytes} bytes: weights, "
+                             f"gradients, states and its temporaries) takes more than the device's {device_bytes} bytes")
         cost = self.cost_model
         if len(cost.modes) ** cost.n <= _planner._EXHAUSTIVE_LIMIT:
             plan = _planner.plan_from_cost(cost, budget, None if host_bytes is None else int(host_bytes))
         else:
             plan = self._structured_plan(budget, host_bytes)
-        plan.predicted_peak_bytes += self.extra_bytes
+        plan.predicted_peak_bytes = max(plan.predicted_peak_bytes + self.extra_bytes, self.step_peak_bytes)
         plan.budget_bytes = int(device_bytes)
         if plan.smallest_peak_bytes is not None:
-            plan.smallest_peak_bytes += self.extra_bytes
+            plan.smallest_peak_bytes = max(plan.smallest_peak_bytes + self.extra_bytes, self.step_peak_bytes)
         return plan
 
     def _structured_plan(self, budget, host_budget):
@@ -533,10 +545,11 @@ class MemoryEstimate:
         """The estimate as JSON.
 
         Returns:
-            str: `seq`, `batch`, `attention`, `peak_bytes`, `host_bytes` (per mode) and `parts`.
+            str: `seq`, `batch`, `attention`, `peak_bytes`, `host_bytes` (per mode), `parts` and
+            `step_peak_bytes`.
         """
         return json.dumps(dict(seq=self.seq, batch=self.batch, attention=self.attention, peak_bytes=self.peak_bytes,
-                               host_bytes=self.host_bytes, parts=self.parts))
+                               host_bytes=self.host_bytes, parts=self.parts, step_peak_bytes=self.step_peak_bytes))
 
     def longest_fitting(self, device_bytes, host_bytes=None) -> dict:
         """Per mode, the longest sequence that fits for this estimate's batch.
@@ -560,6 +573,8 @@ class MemoryEstimate:
         """
         if self._resize is None or not self.seq:
             return {m: None for m in MODES}
+        if self.step_peak_bytes > device_bytes:
+            return {m: 0 for m in MODES}  # the optimizer's step alone does not fit, at any length
         s0 = self.seq
         lengths = {s0, max(1, s0 // 2), max(1, s0 // 4)}
         if self.attention and "math" not in self.attention and not self._quadratic:
@@ -583,14 +598,14 @@ class MemoryEstimate:
 
         out = {}
         for m in MODES:
-            s = within(_fit([(x, ests[x].peak_bytes[m]) for x in lengths]),
+            s = within(_fit([(x, ests[x].activation_peak_bytes[m]) for x in lengths]),
                        _fit([(x, ests[x].host_bytes[m]) for x in lengths]))
             if len(lengths) == 3:
                 # Quadratic terms: the peak is the largest of several phases' (the forward's, the
                 # backward's, the loss's), each a quadratic of its own, so a fit far from the lengths
                 # measured can miss. Estimates at the lengths the fit points to settle it.
                 out[m] = _settled(s, ests, lambda x, m=m: fits(m, x), lambda pts, m=m: within(
-                    _fit([(x, ests[x].peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])),
+                    _fit([(x, ests[x].activation_peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])),
                     cap)
                 continue
             out[m] = max(s, s0) if fits(m, s0) else min(s, s0 - 1)
@@ -885,6 +900,10 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     parts = dict(weights_bytes=static["weights_bytes"], grads_bytes=static["grads_bytes"],
                  optimizer_bytes=static["optimizer_bytes"], logits_bytes=int(logits_bytes),
                  checkpoint_input_bytes=int(sum(host_in)), in_flight_bytes=static["in_flight_bytes"])
+    # The optimizer's step, after the backward: every gradient exists (freed ones too), nothing is in
+    # flight, and the step's temporaries come on top.
+    step_peak = (static["weights_bytes"] + static["grads_bytes"] + static["optimizer_bytes"]
+                 + static["step_temp_bytes"] + _static_bytes(model, []))
     batch, seq = _seq_of(inputs)
 
     def resize(new_seq):
@@ -892,7 +911,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
 
     return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=att.seen,
                           resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model),
-                          recipe=recipe)
+                          recipe=recipe, step_peak_bytes=step_peak)
 
 
 def _max_positions(model):

@@ -100,6 +100,28 @@ def state_bytes(param: torch.Tensor, optim="adamw_torch", *, amsgrad=False, mome
     return 4 * numel
 
 
+# The optimizer step's temporaries, as torch's foreach implementation (its default for CUDA tensors)
+# allocates them for a parameter group at once: copies of the states in their dtype. AdamW and RMSprop
+# take the square root of the second moment into a new list; Adagrad that and the scaled gradients.
+# Fused kernels (`adamw_torch_fused`, apex, bitsandbytes) update in place; SGD without Nesterov too.
+_STEP_COPIES = {"adamw_torch": 1, "rmsprop": 1, "adagrad": 2}
+
+
+def step_temp_bytes(param: torch.Tensor, optim="adamw_torch", *, dtype=None) -> int:
+    """The bytes the optimizer's step allocates for one parameter while it runs (freed when it
+    returns), as torch's foreach AdamW, RMSprop and Adagrad do on a GPU; 0 for the fused and 8-bit
+    optimizers. The for-loop optimizers (Adafactor, AnyPrecision) hold one tensor's temporaries at a
+    time, not counted.
+
+    Args:
+        param: the parameter; only its size and dtype are read.
+        optim: a transformers `optim` name (`recipe.OPTIMS`).
+        dtype: the parameter's dtype as the run holds it (default: `param.dtype`).
+    """
+    copies = _STEP_COPIES.get(optim_name(optim), 0)
+    return copies * param.numel() * torch.empty((), dtype=dtype or param.dtype, device="meta").element_size()
+
+
 def _unwrap(optimizer):
     """The optimizer itself, out of accelerate's AcceleratedOptimizer (what a Trainer hands its
     callbacks) or any wrapper that keeps it as `.optimizer`."""
@@ -297,13 +319,14 @@ def _blocks_params(blocks):
 def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
     """Per rank, the bytes of the run's weights, gradients and optimizer states for `model` (as
     built, meta or real: its shapes, which parameters train, and their built dtypes) under `recipe`,
-    and what is in flight beside them (sharded blocks gathered, a quantized weight dequantized).
+    and what is in flight beside them (sharded blocks gathered, a quantized weight dequantized), and
+    the optimizer step's temporaries (`step_temp_bytes`, sharded as the states are).
 
     The recipe's `dtype` replaces the built dtype of the parameters that have the model's own dtype
     (adapters peft upcast to fp32 keep theirs); gradients take their parameter's dtype.
     """
     built = _model_dtype(model)
-    weights = grads = states = 0
+    weights = grads = states = step = 0
     dequant = 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     seen = set()
@@ -323,6 +346,7 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
             if p.requires_grad:
                 grads += p.numel() * size
                 states += state_bytes(p, recipe.optim, amsgrad=recipe.amsgrad, momentum=recipe.momentum, dtype=dtype)
+                step += step_temp_bytes(p, recipe.optim, dtype=dtype)
     kind, n = _parse_shard(recipe.shard)
     in_flight = dequant
     if kind in ("fsdp", "zero3"):
@@ -336,13 +360,13 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
         train_block = max((sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
                            for b in blocks), default=0)
         in_flight += (2 * biggest + train_block + outside) if n > 1 else 0
-        weights, grads, states = -(-weights // n), -(-grads // n), -(-states // n)
+        weights, grads, states, step = -(-weights // n), -(-grads // n), -(-states // n), -(-step // n)
     elif kind == "zero2":
-        grads, states = -(-grads // n), -(-states // n)
+        grads, states, step = -(-grads // n), -(-states // n), -(-step // n)
     elif kind == "zero1":
-        states = -(-states // n)
+        states, step = -(-states // n), -(-step // n)
     return dict(weights_bytes=int(weights), grads_bytes=int(grads), optimizer_bytes=int(states),
-                in_flight_bytes=int(in_flight))
+                in_flight_bytes=int(in_flight), step_temp_bytes=int(step))
 
 
 def _model_dtype(model):
