@@ -85,6 +85,52 @@ def test_auto_needs_a_device_or_the_stand_in(monkeypatch):
         budget.auto_budget(model)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),  # as torch steps CUDA tensors by default
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+], ids=["adamw_foreach", "adamw_fused", "sgd_momentum"])
+def test_the_optimizer_step_is_checked_to_fit_as_torch_allocates_it(make_opt, monkeypatch):
+    # What the first step adds beyond the weights (gradients, states, the step's temporaries) is what
+    # a live optimizer's budget counts: measured here through a real backward and step.
+    model = make_model(layers=2, hidden=H, heads=4, max_len=S)
+    opt = make_opt(list(model.parameters()))
+    ids = make_batch(batch=1, seq=4)
+    counted = budget.optimizer_step_bytes(model, opt)
+    loss_of(model, ids).backward()
+    params = list(model.parameters())
+    grads_made = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    with LiveBytes() as live:
+        live.add([*params, *(p.grad for p in params), *model.buffers()])
+        held = live.current()
+        opt.step()  # the first: its states are allocated, then its temporaries
+    # Beyond states and temporaries, torch's CPU step keeps a 0-d step counter a parameter.
+    assert counted == pytest.approx(grads_made + live.peak - held, abs=8 * len(params)), \
+        (counted, grads_made, live.peak - held)
+    # Gradients and states held now: the next step needs its temporaries only, measured again.
+    with LiveBytes() as live:
+        live.add([*params, *(p.grad for p in params), *model.buffers(),
+                  *(t for st in opt.state.values() for t in st.values())])
+        held = live.current()
+        opt.step()
+    assert budget.optimizer_step_bytes(model, opt) == pytest.approx(live.peak - held, abs=8 * len(params))
+    # A device with room for the activations' budget as it was counted before (held + margin + the
+    # states), but not for the step: refused, with the step named. A new model: nothing held yet.
+    model = make_model(layers=2, hidden=H, heads=4, max_len=S)
+    opt = make_opt(list(model.parameters()))
+    assert budget.optimizer_step_bytes(model, opt) == counted
+    margin_of = lambda free: int(0.05 * (held_bytes(model) + free))
+    states = budget.optimizer_state_bytes(model, opt)
+    free = next(f for f in range(counted, 0, -256) if f - margin_of(f) < counted)
+    assert free - margin_of(free) > states  # what the budget checked before: the states alone
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(free))
+    with pytest.raises(ValueError, match="optimizer's step alone does not fit"):
+        budget.auto_budget(model, optimizer=opt)
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(4 * counted))
+    a = budget.auto_budget(model, optimizer=opt)
+    assert a.step_bytes == counted and "step needs" in a.describe()
+
+
 def test_device_budget_is_held_plus_free_less_margin_and_optimizer(monkeypatch, node):
     available = node(8 << 20)  # 8 GiB available on the node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

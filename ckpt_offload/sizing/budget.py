@@ -52,6 +52,9 @@ class AutoBudget:
         free_bytes: what it had free then.
         margin_bytes: what was left unplanned.
         optimizer_bytes: the optimizer states counted before they exist.
+        step_bytes: what the optimizer's step needs beyond what the device holds now: gradients
+            and states still to come, and the temporaries of its step (checked to fit, not taken
+            from the activations' budget: the step runs after they are freed).
         local_world_size: the ranks that share this node's host memory.
         source: where the free figure came from (`"cuda"` or the stand-in's variable).
     """
@@ -62,6 +65,7 @@ class AutoBudget:
     free_bytes: int
     margin_bytes: int
     optimizer_bytes: int
+    step_bytes: int
     local_world_size: int
     source: str
 
@@ -72,7 +76,8 @@ class AutoBudget:
             f"{HOST_FRACTION:.0%} of the available memory)")
         return (f"budget='auto': device {self.device_bytes / gib:.3f} GiB = held {self.allocated_bytes / gib:.3f} + free "
                 f"{self.free_bytes / gib:.3f} ({self.source}) - margin {self.margin_bytes / gib:.3f} - optimizer states "
-                f"not yet allocated {self.optimizer_bytes / gib:.3f}; host {host}")
+                f"not yet allocated {self.optimizer_bytes / gib:.3f} (the optimizer's step needs "
+                f"{self.step_bytes / gib:.3f} more, which fits); host {host}")
 
 
 def _stand_in():
@@ -139,6 +144,27 @@ def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
                for p in model.parameters() if p.requires_grad)
 
 
+def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
+    """What the optimizer's step will need beyond what the device holds now, as the estimate counts
+    its step: the gradients still to come (of the parameters with `requires_grad` and no `.grad`),
+    the states not yet allocated (`optimizer_state_bytes`) and the step's temporaries
+    (`recipe.step_temp_bytes`: torch's foreach AdamW, RMSprop and Adagrad; none for fused or
+    8-bit ones). `optimizer` as for `optimizer_state_bytes`."""
+    from . import recipe as _recipe
+
+    if optimizer is None:
+        return 0
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    states = optimizer_state_bytes(model, optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
+        temps = _recipe.pending_step_temp_bytes(optimizer)
+    else:
+        r = optimizer if isinstance(optimizer, _recipe.Recipe) else _recipe.Recipe(optim=optimizer)
+        temps = sum(_recipe.step_temp_bytes(p, r.optim, dtype=r.dtype) for p in trainable)
+    return grads + states + temps
+
+
 def host_budget_bytes(fraction: float = HOST_FRACTION):
     """This rank's host budget: `hostmem.host_share_bytes(fraction)`, or None where unreadable."""
     return hostmem.host_share_bytes(fraction)
@@ -186,8 +212,15 @@ def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, devic
             f"budget='auto': the device has {free} bytes free, less than the margin ({margin}) and the optimizer "
             f"states still to come ({opt}); nothing is left for activations"
         )
+    step = optimizer_step_bytes(model, optimizer)
+    if step > free - margin:
+        raise ValueError(
+            f"budget='auto': the optimizer's step alone does not fit: it needs {step} bytes (gradients and states "
+            f"still to come, and its temporaries) beside the {allocated} held, and the device has {free} free less "
+            f"the margin ({margin}); a fused or 8-bit optimizer, sharding or LoRA make it smaller"
+        )
     return AutoBudget(device_bytes=device_bytes, host_bytes=host_budget_bytes(), allocated_bytes=allocated,
-                      free_bytes=free, margin_bytes=margin, optimizer_bytes=opt,
+                      free_bytes=free, margin_bytes=margin, optimizer_bytes=opt, step_bytes=step,
                       local_world_size=hostmem.local_world_size(), source=source)
 
 

@@ -173,6 +173,21 @@ def pending_state_bytes(optimizer) -> int:
     return total
 
 
+def pending_step_temp_bytes(optimizer) -> int:
+    """The bytes a live optimizer's next step allocates while it runs (`step_temp_bytes` for each of
+    its parameters with `requires_grad`): none for a group made with `fused=True`, nor with
+    `foreach=False` (a for-loop step holds one tensor's temporaries at a time, not counted).
+    Wrappers (accelerate's AcceleratedOptimizer) are looked through."""
+    optimizer = _unwrap(optimizer)
+    name, _ = _optim_of(optimizer)
+    total = 0
+    for g in optimizer.param_groups:
+        if g.get("fused") or g.get("foreach") is False:
+            continue
+        total += sum(step_temp_bytes(p, name) for p in g["params"] if p.requires_grad)
+    return total
+
+
 def quantized_bytes(weight: torch.Tensor, quantize: str, double_quant: bool = True) -> int:
     """The bytes of a linear layer's weight as bitsandbytes stores it.
 
