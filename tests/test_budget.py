@@ -4,6 +4,10 @@ made from them fits (its step measured with LiveBytes, the optimizer's states ad
 pool's cap is the node's share, and past that cap tensors stay on the device with the gradients
 unchanged."""
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -19,6 +23,7 @@ from tiny_gpt import grads, loss_of, make_batch, make_model
 pytestmark = pytest.mark.usefixtures("test_cpu")
 
 L, H, S, B = 5, 32, 64, 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def param_bytes(model, trainable_only=False):
@@ -129,6 +134,42 @@ def test_the_optimizer_step_is_checked_to_fit_as_torch_allocates_it(make_opt, mo
     monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(4 * counted))
     a = budget.auto_budget(model, optimizer=opt)
     assert a.step_bytes == counted and "step needs" in a.describe()
+
+
+def test_sharded_parameters_count_the_states_this_rank_allocates():
+    # FSDP2 and tensor parallelism hold DTensor parameters: torch's AdamW allocates their states as
+    # DTensors sharded alike, so a rank holds its shard's states, not the whole parameter's. Two ranks
+    # of a fake process group in a child process; the states measured after a real step.
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch import nn
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from ckpt_offload.sizing import budget, recipe
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+        for m in model:
+            m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+            m.bias = nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0)]))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        counted = budget.optimizer_state_bytes(model, opt)
+        counted_by_name = budget.optimizer_state_bytes(model, "adamw_torch")
+        temps = recipe.pending_step_temp_bytes(opt)
+        model(distribute_tensor(torch.randn(4, 64), mesh, [Replicate()])).to_local().sum().backward()
+        opt.step()
+        states = sum(t.to_local().nbytes for st in opt.state.values() for k, t in st.items() if k != "step")
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(counted, counted_by_name, temps, states, whole)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counted, counted_by_name, temps, states, whole = map(int, out.stdout.split()[-5:])
+    assert states == whole  # two states of half of each parameter: as many bytes as the whole weights
+    assert counted == counted_by_name == states, (counted, counted_by_name, states)
+    assert temps == states // 2  # foreach AdamW's one copy of the shard
 
 
 def test_device_budget_is_held_plus_free_less_margin_and_optimizer(monkeypatch, node):

@@ -140,7 +140,8 @@ def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
             r = _recipe.Recipe(optim=optimizer)
         except ValueError as e:
             raise ValueError(f"budget='auto': {e}") from None
-    return sum(_recipe.state_bytes(p, r.optim, amsgrad=r.amsgrad, momentum=r.momentum, dtype=r.dtype)
+    return sum(_recipe.state_bytes(_recipe.local_part(p), r.optim, amsgrad=r.amsgrad, momentum=r.momentum,
+                                   dtype=r.dtype)
                for p in model.parameters() if p.requires_grad)
 
 
@@ -155,13 +156,14 @@ def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
     if optimizer is None:
         return 0
     trainable = [p for p in model.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    local = [_recipe.local_part(p) for p in trainable]  # a DTensor's shard: its gradient's and states' size
+    grads = sum(t.numel() * t.element_size() for p, t in zip(trainable, local) if p.grad is None)
     states = optimizer_state_bytes(model, optimizer)
     if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
         temps = _recipe.pending_step_temp_bytes(optimizer)
     else:
         r = optimizer if isinstance(optimizer, _recipe.Recipe) else _recipe.Recipe(optim=optimizer)
-        temps = sum(_recipe.step_temp_bytes(p, r.optim, dtype=r.dtype) for p in trainable)
+        temps = sum(_recipe.step_temp_bytes(t, r.optim, dtype=r.dtype) for t in local)
     return grads + states + temps
 
 

@@ -158,6 +158,12 @@ def _optim_of(optimizer):
     return "adamw_torch", True  # two states in the parameter's dtype: an upper bound for most
 
 
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `param`: a DTensor's local shard (FSDP2, tensor parallelism), whose
+    states and gradients torch allocates sharded alike; any other tensor itself."""
+    return param.to_local() if hasattr(param, "to_local") and hasattr(param, "placements") else param
+
+
 def pending_state_bytes(optimizer) -> int:
     """The bytes a live optimizer's states will take that it has not allocated yet: its parameters
     (with `requires_grad`) whose state is still empty, each counted by `state_bytes` with its group's
@@ -168,7 +174,7 @@ def pending_state_bytes(optimizer) -> int:
     for g in optimizer.param_groups:
         for p in g["params"]:
             if p.requires_grad and not optimizer.state.get(p):
-                total += state_bytes(p, name, amsgrad=bool(g.get("amsgrad", False)),
+                total += state_bytes(local_part(p), name, amsgrad=bool(g.get("amsgrad", False)),
                                      momentum=g.get("momentum", 0) or 0)
     return total
 
@@ -184,7 +190,7 @@ def pending_step_temp_bytes(optimizer) -> int:
     for g in optimizer.param_groups:
         if g.get("fused") or g.get("foreach") is False:
             continue
-        total += sum(step_temp_bytes(p, name) for p in g["params"] if p.requires_grad)
+        total += sum(step_temp_bytes(local_part(p), name) for p in g["params"] if p.requires_grad)
     return total
 
 
