@@ -133,16 +133,22 @@ def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
         return 0
     if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
         return _recipe.pending_state_bytes(optimizer)
-    if isinstance(optimizer, _recipe.Recipe):
-        r = optimizer
-    else:
-        try:
-            r = _recipe.Recipe(optim=optimizer)
-        except ValueError as e:
-            raise ValueError(f"budget='auto': {e}") from None
+    r = _as_recipe(optimizer)
     return sum(_recipe.state_bytes(_recipe.local_part(p), r.optim, amsgrad=r.amsgrad, momentum=r.momentum,
                                    dtype=r.dtype)
                for p in model.parameters() if p.requires_grad)
+
+
+def _as_recipe(optimizer):
+    """The recipe an optimizer's name (or a recipe) stands for; an unknown name is budget='auto''s error."""
+    from . import recipe as _recipe
+
+    if isinstance(optimizer, _recipe.Recipe):
+        return optimizer
+    try:
+        return _recipe.Recipe(optim=optimizer)
+    except ValueError as e:
+        raise ValueError(f"budget='auto': {e}") from None
 
 
 def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
@@ -162,7 +168,7 @@ def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
     if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
         temps = _recipe.pending_step_temp_bytes(optimizer)
     else:
-        r = optimizer if isinstance(optimizer, _recipe.Recipe) else _recipe.Recipe(optim=optimizer)
+        r = _as_recipe(optimizer)
         temps = sum(_recipe.step_temp_bytes(t, r.optim, dtype=r.dtype) for t in local)
     return grads + states + temps
 

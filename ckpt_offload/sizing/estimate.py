@@ -453,7 +453,7 @@ class MemoryEstimate:
             "every_n=2": _planner.uniform_modes(n, 2, False),
         }
         # The forward and backward's peaks, which grow with the length (the step's does not).
-        self.activation_peak_bytes = {m: int(self.cost_model.peak(v) + self.extra_bytes) for m, v in self.modes.items()}
+        self.activation_peak_bytes = {m: self._activation_peak(v) for m, v in self.modes.items()}
         self.peak_bytes = {m: self.peak_of(v) for m, v in self.modes.items()}
         self.host_bytes = {m: cost_model.host_bytes(v) for m, v in self.modes.items()}
 
@@ -468,7 +468,11 @@ class MemoryEstimate:
             int: the predicted peak, optimizer states included: the larger of the forward and
             backward's and the optimizer step's.
         """
-        return max(int(self.cost_model.peak(list(modes)) + self.extra_bytes), self.step_peak_bytes)
+        return max(self._activation_peak(modes), self.step_peak_bytes)
+
+    def _activation_peak(self, modes) -> int:
+        # The forward and backward's peak: the measured blocks' and the static parts beside them.
+        return int(self.cost_model.peak(list(modes)) + self.extra_bytes)
 
     def plan(self, device_bytes: int, host_bytes=None):
         """The fastest per-block plan predicted to fit, from the estimate (no profiling).

@@ -31,7 +31,8 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
             (kept allocated) and inputs: `max_memory_allocated` on a GPU,
             `ckpt_offload.testing.LiveBytes` on the CPU test path. `"auto"`: read off the device
             now (`ckpt_offload.sizing.budget.auto_budget`: what torch holds plus what is free, less a
-            margin of max(5%, 1 GiB), less the optimizer's states not yet allocated), and the host
+            margin of max(5%, 1 GiB), less the optimizer's states not yet allocated; the optimizer's
+            step, temporaries included, checked to fit beside what is held), and the host
             budget too unless `host_budget_bytes` is given; one log line (logger `ckpt_offload`,
             INFO) says what was chosen and why, and the plan's `auto` attribute holds the figures.
         loss_fn: `output -> scalar` to backpropagate (default: `output.loss` when there is one,
@@ -54,8 +55,9 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
     Raises:
         TypeError: `model` is not a module, `example_inputs` is not a tuple, a budget is not an
             int, `loss_fn` is not callable or `verbose` not a bool.
-        ValueError: a budget is not positive, `modes` is empty or names an unknown mode, or nothing
-            fits (the message names the smallest feasible budget).
+        ValueError: a budget is not positive, `modes` is empty or names an unknown mode, nothing
+            fits (the message names the smallest feasible budget), or with `"auto"` the optimizer's
+            step alone does not fit.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_memory: model must be a torch.nn.Module, got {type(model).__name__}")
