@@ -41,7 +41,7 @@ def _set_capacity(pool, nbytes) -> None:
     global _following, _forward_hook
     if _following is not None and _following[0] is pool:
         _following = None
-        _forward_hook = None if _guarded else _on_forward
+        _forward_hook = None if _guarded and _numa is not None else _on_forward
     _pool_set_capacity(pool, nbytes)
 
 
@@ -144,20 +144,31 @@ def place_pool(pool, device=None, *, root=None) -> dict:
     return placed
 
 
-def _reserve(pool, *args, **kwargs):
-    """HostPool.reserve, whose refusal by the system names the limits on pinned memory here and the
-    settings that change them (the compiled pool cannot read them)."""
+def _reserve(pool, sizes, count=None) -> None:
+    """Makes sure that requests of these sizes, held at once, are served from free blocks: pairs
+    them with the free blocks and pins only what those cannot cover, so a second call with the same
+    sizes pins nothing (`ckpt_offload.reserve_for` passes one step's sizes).
+
+    Args:
+        sizes: a list of request sizes in bytes, or one size in bytes.
+        count: with one size, how many requests of it (default 1).
+
+    Raises:
+        RuntimeError: the pool's cap, the node guard or the system refuses; what was pinned before
+            stays as free blocks. A refusal by the system names the limits on pinned memory found
+            here (the memlock limit, WSL) and the settings that change them.
+    """
     try:
-        return _pool_reserve(pool, *args, **kwargs)
+        if count is None:
+            _pool_reserve(pool, sizes)
+        else:
+            _pool_reserve(pool, sizes, count)
     except RuntimeError as e:
         if "the system refused" not in str(e):
             raise
         from .sizing import hostmem
 
         raise RuntimeError(f"{e}. {hostmem.pinning_advice()}") from None
-
-
-_reserve.__doc__ = _pool_reserve.__doc__
 
 
 _forward_hook = _on_forward
@@ -299,7 +310,8 @@ def stats() -> dict:
         dict: `tensors_offloaded`, `bytes_offloaded`, `tensors_prefetched`, `bytes_prefetched`,
             `tensors_fetched`, `reloads_on_demand`, `tensors_released`, ... (engine counters, ints);
             the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
-            `host_alloc_calls`, ...); `tensors_kept_on_device`, `subclass_tensors_kept`,
+            `host_alloc_calls`, ...; `host_numa_node` and `host_numa`, the NUMA node the pool pins on
+            and why, see `place_pool`); `tensors_kept_on_device`, `subclass_tensors_kept`,
             `unmovable_tensors_kept`, `shared_views`, `midpoint_misses`;
             `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
             `h2d_gb_per_s` (float, or None when nothing was timed); the disk tier's figures
