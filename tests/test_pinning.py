@@ -402,3 +402,29 @@ def test_env_reports_memlock_and_wsl(tmp_path, monkeypatch, memlock):
     version.write_text("Linux version 6.8.0-45-generic (buildd@lcy02-amd64-075)\n")
     assert envreport.report()["host"]["pinning"]["wsl"] is False
     assert "WSL: no" in envreport.format_text(envreport.report())
+
+
+def test_row48_placed_at_the_first_forward(tmp_path, monkeypatch, fake_gpus, placed_pool):
+    """PITFALLS 48: nobody has to call anything: the process-wide pool is placed at the first
+    forward once CUDA is up, on the node of the current GPU (a stand-in CUDA at cuda:1 and a
+    stand-in sysfs tree), before that forward's first offload pins anything. Seen failing with the
+    placement taken out of the forward's start (engine._on_forward)."""
+    monkeypatch.delenv("CKPT_OFFLOAD_NUMA", raising=False)
+    mine = sorted(os.sched_getaffinity(0))
+    node_cpus = [[mine[0]], mine[1:] or mine]
+    root = fake_sysfs(tmp_path, [_cpulist(c) for c in node_cpus], {GPU0: 0, GPU1: 1}, online=_cpulist(mine))
+    monkeypatch.setattr(hostmem, "SYSFS_ROOT", root)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(engine, "_numa", None)
+    monkeypatch.setattr(engine, "_forward_hook", engine._on_forward)
+    ids = make_batch()
+    ref = _reference(ids)
+    steps, _ = _train(ids, steps=1)
+    _assert_bitwise(steps[0], ref, "a step placed at its first forward")
+    assert engine._numa is not None and engine._numa["node"] == 1 and engine._numa["device"] == 1
+    s = ckpt_offload.stats()
+    assert s["host_numa_node"] == 1 and s["host_alloc_calls"] > 0
+    assert s["host_numa_placed_allocs"] == s["host_alloc_calls"]  # every block of the step, the first included
+    assert engine._forward_hook is None or engine._following is not None  # decided once

@@ -357,6 +357,7 @@ def numa_placement(pci_address, *, root=None, affinity=None, environ=None) -> di
             thread binds to while the pool grows; empty when nothing is placed), `gpu_node` (the
             GPU's node as sysfs reads, or None), `reason` (why this node, or why none).
     """
+    root = SYSFS_ROOT if root is None else root
     out = {"node": None, "cpus": [], "gpu_node": None, "pci_address": pci_address}
     if numa_setting(environ) == "off":
         return {**out, "reason": f"{NUMA_ENV}=off"}
