@@ -171,8 +171,9 @@ def test_row41_no_fallback_is_one_clear_error_before_the_step(pool, tmp_path, mo
 def test_row41_few_large_blocks():
     """PITFALLS 41: few large pinned blocks, not one pin per page or per small piece: every request
     is one allocation of its own size class (within 1/16 above 8 KiB), a step's requests take one
-    block each, and a second step of the same shapes pins nothing. Seen failing with round_size
-    returning the page size (a pin per 4 KiB)."""
+    block each, and a second step of the same shapes pins nothing. Seen failing with the pool's
+    reuse taken out (every acquire pinned anew, as pinning each tensor does: 6 allocations for 3
+    requests) and with round_size put back to the next power of two."""
     p = ckpt_offload.HostPool(pinned=False)
     sizes = [3 * MiB + 17, 5 * MiB + 3, 700_001]
     for _ in range(2):
@@ -338,7 +339,7 @@ def test_row48_user_binding_wins(tmp_path, monkeypatch, fake_gpus, placed_pool):
 
 def test_numa_unknown_or_single_node(tmp_path):
     """No placement, and the reason, where sysfs gives none: one node, a GPU whose numa_node is -1,
-    no CUDA device."""
+    no CUDA device. Seen failing with -1 taken as a node."""
     one = fake_sysfs(tmp_path / "one", ["0-1"], {GPU0: 0})
     assert hostmem.numa_placement(GPU0, root=one, affinity={0, 1})["reason"] == "one NUMA node"
     two = fake_sysfs(tmp_path / "two", ["0", "1"], {GPU0: -1})
@@ -354,7 +355,7 @@ def test_row50_wddm_counts_pinned_against_device(monkeypatch, tmp_path):
     """PITFALLS 50: under Windows' WDDM (a faked platform) pinned host memory counts against the
     GPU's own memory: budget="auto" takes the pool's pinned bytes from the device budget (plan_memory
     passes them), says so, and `env` reports it; on Linux the same pool changes nothing. Seen failing
-    with the platform check taken out of auto_budget."""
+    with the subtraction taken out of auto_budget (pinned_bytes 0 under WDDM)."""
     monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(64 * MiB))
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {64 << 20} kB\nMemAvailable: {32 << 20} kB\n")
@@ -388,7 +389,8 @@ def test_row50_wddm_counts_pinned_against_device(monkeypatch, tmp_path):
 # -- env: the limits ---------------------------------------------------------------------------------------
 def test_env_reports_memlock_and_wsl(tmp_path, monkeypatch, memlock):
     """`env` reports the memlock limit (this process's RLIMIT_MEMLOCK, lowered here) and WSL (a
-    stand-in /proc/version), and says neither where there is none."""
+    stand-in /proc/version), and says neither where there is none. Seen failing with the hard
+    limit read instead of the soft one in force."""
     memlock(64 * 1024)
     version = tmp_path / "version"
     version.write_text("Linux version 6.6.87.2-microsoft-standard-WSL2\n")
