@@ -11,6 +11,7 @@ from .sizing import budget as _budget
 
 _C = load()
 _pool_set_capacity = _C.HostPool.set_capacity
+_pool_reserve = _C.HostPool.reserve
 
 
 def _set_capacity(pool, nbytes) -> None:
@@ -40,7 +41,7 @@ def _set_capacity(pool, nbytes) -> None:
     global _following, _forward_hook
     if _following is not None and _following[0] is pool:
         _following = None
-        _forward_hook = None if _guarded else _on_forward
+        _forward_hook = None if _guarded and _numa is not None else _on_forward
     _pool_set_capacity(pool, nbytes)
 
 
@@ -84,14 +85,90 @@ def guard_node(pool) -> int:
 
 def _on_forward() -> None:
     """What a forward's start does besides its own work (session.new_forward): the node guard once,
-    the cap that follows the node while one does. None once there is nothing to do."""
+    the NUMA placement once CUDA is up (or at once without CUDA), the cap that follows the node
+    while one does. None once there is nothing to do."""
     global _guarded, _forward_hook
     if not _guarded:
         _guarded = True
         guard_node(_C.global_pool())
+    if _numa is None and (not torch.cuda.is_available() or torch.cuda.is_initialized()):
+        place_pool(_C.global_pool())
     if _following is not None:
         follow_node()
-    _forward_hook = _on_forward if _following is not None else None
+    _forward_hook = _on_forward if _following is not None or _numa is None else None
+
+
+# The NUMA placement of the process-wide pool (place_pool's answer), or None before it is decided.
+_numa = None
+
+
+def place_pool(pool, device=None, *, root=None) -> dict:
+    """Pins `pool`'s growth on the NUMA node of `device`'s GPU (default: the current CUDA device):
+    from then on each host allocation of the pool runs with the allocating thread bound to that
+    node's CPUs, so the pages land on the GPU's node; the thread's own affinity is put back after
+    each. Nothing is placed on a single-node host, without CUDA, where sysfs does not tell the
+    GPU's node, with CKPT_OFFLOAD_NUMA=off, or where the process's CPU affinity was already
+    narrowed (numactl, taskset, a launcher): a binding the user made wins. The process-wide pool is
+    placed at the first forward once CUDA is up; `stats()["host_numa_node"]` and
+    `stats()["host_numa"]` report the node and why.
+
+    Args:
+        pool: a HostPool.
+        device: a CUDA device (index, string or torch.device), or None for the current one.
+        root: the filesystem root sysfs is read under (default "/"; tests pass a stand-in tree).
+
+    Returns:
+        dict: `hostmem.numa_placement`'s answer (`node`, `cpus`, `gpu_node`, `reason`), with `device`.
+
+    Raises:
+        ValueError: CKPT_OFFLOAD_NUMA is neither "auto" nor "off".
+    """
+    from .sizing import hostmem, nvidia
+
+    global _numa
+    address = index = None
+    if device is not None or torch.cuda.is_available():
+        index = torch.device(device).index if device is not None else None
+        if index is None:
+            index = torch.cuda.current_device()
+        p = torch.cuda.get_device_properties(index)
+        address = nvidia.pci_address(p.pci_domain_id, p.pci_bus_id, p.pci_device_id)
+    placed = hostmem.numa_placement(address, root=root)
+    placed["device"] = index
+    pool.set_numa_cpus(placed["node"] if placed["node"] is not None else -1, placed["cpus"])
+    if placed["node"] is not None:
+        _budget.log.info("host pool pinned on NUMA node %d (CPUs %s), the node of GPU %s (%s)", placed["node"],
+                         placed["cpus"], index, address)
+    if pool is _C.global_pool():
+        _numa = placed
+    return placed
+
+
+def _reserve(pool, sizes, count=None) -> None:
+    """Makes sure that requests of these sizes, held at once, are served from free blocks: pairs
+    them with the free blocks and pins only what those cannot cover, so a second call with the same
+    sizes pins nothing (`ckpt_offload.reserve_for` passes one step's sizes).
+
+    Args:
+        sizes: a list of request sizes in bytes, or one size in bytes.
+        count: with one size, how many requests of it (default 1).
+
+    Raises:
+        RuntimeError: the pool's cap, the node guard or the system refuses; what was pinned before
+            stays as free blocks. A refusal by the system names the limits on pinned memory found
+            here (the memlock limit, WSL) and the settings that change them.
+    """
+    try:
+        if count is None:
+            _pool_reserve(pool, sizes)
+        else:
+            _pool_reserve(pool, sizes, count)
+    except RuntimeError as e:
+        if "the system refused" not in str(e):
+            raise
+        from .sizing import hostmem
+
+        raise RuntimeError(f"{e}. {hostmem.pinning_advice()}") from None
 
 
 _forward_hook = _on_forward
@@ -129,6 +206,7 @@ def follow_node() -> None:
 
 # "auto" is worked out here, above the compiled pool, from the node's figures (hostmem).
 _C.HostPool.set_capacity = _set_capacity
+_C.HostPool.reserve = _reserve
 
 # Counted in Python (session.py): saved tensors of a tensor subclass the engine cannot take (not a
 # DTensor), kept on the device.
@@ -197,7 +275,8 @@ _ENGINE_KEYS = (
 
 # The pool's figures that stats() reports, each as host_<name> (and peak_in_use_bytes as host_peak_bytes).
 _POOL_KEYS = ("pinned", "reserved_bytes", "in_use_bytes", "alloc_calls", "allocated_bytes", "free_calls", "hits",
-              "misses", "cap_refusals", "alloc_failures", "node_refusals", "capacity_bytes")
+              "misses", "cap_refusals", "alloc_failures", "failed_alloc_bytes", "node_refusals", "capacity_bytes",
+              "numa_placed_allocs")
 
 
 # The disk tier's figures (host_pool().set_spill_dir) that stats() reports, under the names on the right.
@@ -231,7 +310,8 @@ def stats() -> dict:
         dict: `tensors_offloaded`, `bytes_offloaded`, `tensors_prefetched`, `bytes_prefetched`,
             `tensors_fetched`, `reloads_on_demand`, `tensors_released`, ... (engine counters, ints);
             the pool's `host_*` figures (`host_in_use_bytes`, `host_reserved_bytes`,
-            `host_alloc_calls`, ...); `tensors_kept_on_device`, `subclass_tensors_kept`,
+            `host_alloc_calls`, ...; `host_numa_node` and `host_numa`, the NUMA node the pool pins on
+            and why, see `place_pool`); `tensors_kept_on_device`, `subclass_tensors_kept`,
             `unmovable_tensors_kept`, `shared_views`, `midpoint_misses`;
             `profiling` (bool); the profiled times in ms (floats) and `d2h_gb_per_s` /
             `h2d_gb_per_s` (float, or None when nothing was timed); the disk tier's figures
@@ -244,6 +324,8 @@ def stats() -> dict:
     pool = _C.global_pool().stats()
     out.update({f"host_{k}": pool[k] for k in _POOL_KEYS})
     out["host_peak_bytes"] = pool["peak_in_use_bytes"]
+    out["host_numa_node"] = pool["numa_node"] if pool["numa_node"] >= 0 else None
+    out["host_numa"] = _numa["reason"] if _numa is not None else "not decided yet (no forward has run)"
     spill = _C.global_pool().spill_stats()
     out.update({name: spill[k] for k, name in _SPILL_KEYS.items()})
     out.update(_C.session_counters())  # the sessions' own: tensors_kept_on_device, shared_views, midpoint_misses, ...

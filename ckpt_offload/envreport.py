@@ -81,18 +81,42 @@ def _cuda(torch):
                 "compute_capability": f"{p.major}.{p.minor}",
                 "pci_address": address,
                 "pcie": nvidia.pcie_link(address),
+                "numa_node": hostmem.gpu_numa_node(address),
             })
+        if out["devices"]:
+            out["current_device"] = torch.cuda.current_device()
     except Exception as err:  # a driver that fails to initialise is what the report is for
         out["error"] = _error(err)
     return out
 
 
-def _host(core):
+def _numa(core, cuda):
+    """Where this process's pool pins (or would pin) its memory: the placement made in this process
+    (a training script's report()), else what the current GPU's node would give."""
+    if core is not None:
+        from . import engine
+
+        if engine._numa is not None:
+            return dict(engine._numa)
+    index = cuda.get("current_device")
+    address = next((d["pci_address"] for d in cuda["devices"] if d["index"] == index), None)
+    try:
+        out = hostmem.numa_placement(address)
+    except ValueError as err:  # CKPT_OFFLOAD_NUMA set to something else
+        return {"node": None, "cpus": [], "gpu_node": None, "pci_address": address, "reason": _error(err),
+                "device": index}
+    out["device"] = index
+    return out
+
+
+def _host(core, cuda):
     out = {
         "memory_total_bytes": hostmem.memory_total_bytes(),
         "memory_available_bytes": hostmem.memory_available_bytes(),
         "cgroup_limit_bytes": hostmem.cgroup_limit_bytes(),
         "numa_nodes": hostmem.numa_nodes(),
+        "numa_placement": _numa(core, cuda),
+        "pinning": hostmem.pinning_limits(),
         "pinned_in_use_bytes": None,
         "spill_dir": None,
         "capacity_bytes": None,
@@ -173,7 +197,7 @@ def report(probe_bandwidth=False) -> dict:
         "torch": torch_info,
         "build": _build(torch, core, error),
         "cuda": cuda,
-        "host": _host(core),
+        "host": _host(core, cuda),
         "packages": _packages(),
         "settings": settings(),
     }
@@ -186,6 +210,32 @@ def _size(n):
     if n is None:
         return "unknown"
     return f"{n / 2**30:.1f} GiB ({n} bytes)"
+
+
+def _placement(p):
+    if p["node"] is None:
+        return f"none: {p['reason']}"
+    return f"node {p['node']} (CPUs {_cpus(p['cpus'])}): {p['reason']}"
+
+
+def _cpus(cpus):
+    """[0, 1, 2, 3, 8] as "0-3,8"."""
+    runs = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _limits(p):
+    memlock = "unlimited" if p["memlock_limit_bytes"] is None else f"{p['memlock_limit_bytes']} bytes"
+    parts = [f"memlock {memlock} (ulimit -l)", "WSL: " + (
+        f"yes, pinned allocations over about {p['wsl_pin_limit_bytes'] // 10**6} MB fail" if p["wsl"] else "no")]
+    parts.append("WDDM: " + ("yes, the pool's pinned bytes count against the GPU's memory (budget='auto' subtracts them)"
+                             if p["wddm"] else "no"))
+    return "; ".join(parts)
 
 
 def format_text(r: dict) -> str:
@@ -216,12 +266,15 @@ def format_text(r: dict) -> str:
         pcie = (f"PCIe gen {link['gen']} x{link['width']} ({link['nominal_gb_per_s']} GB/s per direction;"
                 f" max gen {link['max_gen']} x{link['max_width']}, from {link['source']})"
                 if link["gen"] else "PCIe link unknown")
+        node = f"NUMA node {d['numa_node']}" if d["numa_node"] is not None else "NUMA node unknown"
         lines.append(f"GPU {d['index']}:               {d['name']}, {_size(d['total_memory_bytes'])}, "
-                     f"compute {d['compute_capability']}, {d['pci_address']}, {pcie}")
+                     f"compute {d['compute_capability']}, {d['pci_address']}, {node}, {pcie}")
     lines += [
         f"host memory:         {_size(h['memory_total_bytes'])} total, {_size(h['memory_available_bytes'])} available",
         f"cgroup limit:        {_size(h['cgroup_limit_bytes']) if h['cgroup_limit_bytes'] is not None else 'none'}",
         f"NUMA nodes:          {h['numa_nodes'] if h['numa_nodes'] is not None else 'unknown'}",
+        f"pool NUMA placement: {_placement(h['numa_placement'])}",
+        f"pinning limits:      {_limits(h['pinning'])}",
         f"LOCAL_WORLD_SIZE:    {h['local_world_size']}",
         f"pinned in use:       {h['pinned_in_use_bytes'] if h['pinned_in_use_bytes'] is not None else 'n/a'} bytes"
         f" (cap: {h['capacity_bytes'] or 'none'}; spill dir: {h['spill_dir'] or 'none'})",

@@ -365,6 +365,11 @@ def _warn_refused(eng, session=None):
             disk = " The disk tier had no room either (its max_bytes, or no block of a fitting size to spill)."
         else:
             disk = ""
+        if s["alloc_failures"]:
+            from .sizing import hostmem
+
+            disk += (f" The system refused a host allocation of {s['failed_alloc_bytes']} bytes "
+                     f"(stats()['host_alloc_failures']). {hostmem.pinning_advice()}")
         available = eng.pool.node_available()  # -1: the node guard is off, or reads nothing
         node = f"{available} bytes available on the node" if available >= 0 else "node guard off, the node's memory not read"
         warnings.warn(

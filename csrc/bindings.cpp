@@ -49,6 +49,9 @@ py::dict pool_stats_dict(const PoolStats& s) {
   d["alloc_failures"] = s.alloc_failures;
   d["node_refusals"] = s.node_refusals;
   d["capacity_bytes"] = s.capacity_bytes;
+  d["failed_alloc_bytes"] = s.failed_alloc_bytes;
+  d["numa_node"] = s.numa_node;
+  d["numa_placed_allocs"] = s.numa_placed_allocs;
   d["pinned"] = s.pinned;
   return d;
 }
@@ -366,6 +369,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             p.inject_alloc_failures(static_cast<uint64_t>(n));
           },
           py::arg("n"), "Testing aid: the next n host allocations fail as if pinned memory ran out")
+      .def(
+          "set_alloc_limit",
+          [](HostPool& p, int64_t per_alloc, int64_t total) {
+            p.set_alloc_limit(checked_size(per_alloc, "set_alloc_limit: per_alloc"),
+                              checked_size(total, "set_alloc_limit: total"));
+          },
+          py::arg("per_alloc") = 0, py::arg("total") = 0, release_gil(),
+          "Testing aid: host allocations over per_alloc bytes fail (as WSL2 refuses large pinned "
+          "allocations), and so do those that would take what the pool holds past total bytes (a memlock "
+          "limit); 0: no limit")
+      .def(
+          "set_numa_cpus",
+          [](HostPool& p, int64_t node, const std::vector<int>& cpus) {
+            py::gil_scoped_release no_gil;
+            p.set_numa_cpus(node, cpus);
+          },
+          py::arg("node"), py::arg("cpus"),
+          "Each later host allocation runs with the allocating thread bound to these CPUs (NUMA node `node`'s), "
+          "its own affinity put back afterwards; an empty list stops it. ckpt_offload.engine.place_pool decides.")
+      .def("last_alloc_cpus", &HostPool::last_alloc_cpus, release_gil(),
+           "Testing aid: the CPUs the allocating thread was bound to during the last host allocation, as read "
+           "back from the kernel then; empty when it was not bound")
       .def_static(
           "round_size", [](int64_t n) { return HostPool::round_size(checked_size(n, "round_size: nbytes")); },
           py::arg("nbytes"), "The size class (block capacity) a request of nbytes is allocated with");

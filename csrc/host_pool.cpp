@@ -6,6 +6,10 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -179,7 +183,7 @@ HostPool::~HostPool() {
         std::fprintf(stderr, "ckpt_offload warning: %s\n", e.what());
       }
     }
-    system_free(kv.second.ptr);
+    system_free(kv.second.ptr, kv.second.capacity);
   }
 }
 
@@ -189,31 +193,120 @@ size_t HostPool::round_size(size_t nbytes) {
   return round_up(nbytes, size_t{1} << (log2 - 4));
 }
 
+namespace {
+#ifdef __linux__
+// Binds the calling thread to a set of CPUs for its lifetime and puts its own affinity back after.
+class ThreadBinding {
+ public:
+  explicit ThreadBinding(const std::vector<int>& cpus) {
+    if (cpus.empty()) return;
+    cpu_set_t want;
+    CPU_ZERO(&want);
+    for (int c : cpus) {
+      if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &want);
+    }
+    if (CPU_COUNT(&want) == 0 || pthread_getaffinity_np(pthread_self(), sizeof saved_, &saved_) != 0) return;
+    if (pthread_setaffinity_np(pthread_self(), sizeof want, &want) != 0) return;  // not bound: allocate as is
+    bound_ = true;
+    cpu_set_t now;
+    if (pthread_getaffinity_np(pthread_self(), sizeof now, &now) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &now)) seen_.push_back(c);
+      }
+    }
+  }
+  ~ThreadBinding() {
+    if (bound_) pthread_setaffinity_np(pthread_self(), sizeof saved_, &saved_);
+  }
+  ThreadBinding(const ThreadBinding&) = delete;
+  ThreadBinding& operator=(const ThreadBinding&) = delete;
+  bool bound() const { return bound_; }
+  std::vector<int> seen() const { return seen_; }
+
+ private:
+  cpu_set_t saved_;
+  bool bound_ = false;
+  std::vector<int> seen_;
+};
+#else
+class ThreadBinding {
+ public:
+  explicit ThreadBinding(const std::vector<int>&) {}
+  bool bound() const { return false; }
+  std::vector<int> seen() const { return {}; }
+};
+#endif
+}  // namespace
+
+void HostPool::set_numa_cpus(int64_t node, const std::vector<int>& cpus) {
+  {
+    std::lock_guard<std::mutex> lock(numa_mu_);
+    numa_cpus_ = cpus;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  st_.numa_node = cpus.empty() ? -1 : node;
+}
+
+std::vector<int> HostPool::last_alloc_cpus() {
+  std::lock_guard<std::mutex> lock(numa_mu_);
+  return last_alloc_cpus_;
+}
+
 void* HostPool::system_alloc(size_t bytes) {
   if (auto hook = alloc_hook_.load()) hook(bytes);
   uint64_t pending = inject_failures_.load();
   while (pending > 0) {
     if (inject_failures_.compare_exchange_weak(pending, pending - 1)) return nullptr;
   }
-  void* ptr = nullptr;
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (pinned_) {
-    ExistingContextGuard guard;
-    // Portable: any device may copy from or to the block, so one pool serves every GPU.
-    cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
-    if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    CKPT_CUDA_CHECK(err);
-    return ptr;
-  }
-#endif
-  if (posix_memalign(&ptr, kHostAlignment, std::max<size_t>(bytes, 1)) != 0) return nullptr;
+  const uint64_t per_alloc = limit_per_alloc_.load(), total = limit_total_.load();
+  if ((per_alloc > 0 && bytes > per_alloc) || (total > 0 && system_bytes_.load() + bytes > total)) return nullptr;
+  void* ptr = bound_alloc(bytes);
+  if (ptr != nullptr) system_bytes_.fetch_add(bytes);
   return ptr;
 }
 
-void HostPool::system_free(void* ptr) {
+void* HostPool::bound_alloc(size_t bytes) {
+  std::vector<int> cpus;
+  {
+    std::lock_guard<std::mutex> lock(numa_mu_);
+    cpus = numa_cpus_;
+  }
+  void* ptr = nullptr;
+  bool bound = false;
+  std::vector<int> seen;
+  {
+    ThreadBinding binding(cpus);  // the thread's own affinity is back when this scope ends, error or not
+    bound = binding.bound();
+    seen = binding.seen();
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (pinned_) {
+      ExistingContextGuard guard;
+      // Portable: any device may copy from or to the block, so one pool serves every GPU.
+      cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        ptr = nullptr;
+      } else {
+        CKPT_CUDA_CHECK(err);
+      }
+    } else
+#endif
+    {
+      if (posix_memalign(&ptr, kHostAlignment, std::max<size_t>(bytes, 1)) != 0) ptr = nullptr;
+      // Placed where it is first touched: touch each page now, on the node's CPUs.
+      if (ptr != nullptr && bound) {
+        for (size_t at = 0; at < bytes; at += kHostAlignment) static_cast<volatile char*>(ptr)[at] = 0;
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(numa_mu_);
+  last_alloc_cpus_ = std::move(seen);
+  if (bound && ptr != nullptr) numa_placed_ += 1;
+  return ptr;
+}
+
+void HostPool::system_free(void* ptr, size_t bytes) {
+  system_bytes_.fetch_sub(std::min<uint64_t>(bytes, system_bytes_.load()));
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (pinned_) {
     ExistingContextGuard guard;
@@ -235,7 +328,7 @@ void HostPool::evict_until(size_t extra, size_t limit) {
         continue;
       }
       if (fb.last_use) fb.last_use->synchronize();
-      system_free(fb.ptr);
+      system_free(fb.ptr, fb.capacity);
       st_.reserved_bytes -= fb.capacity;
       st_.blocks_reserved -= 1;
       st_.free_calls += 1;
@@ -438,6 +531,7 @@ void* HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock, size_t cls
     st_.reserved_bytes -= cls;
     st_.blocks_reserved -= 1;
     st_.alloc_failures += 1;
+    st_.failed_alloc_bytes = cls;
   }
   return ptr;
 }
@@ -524,7 +618,7 @@ size_t HostPool::empty_cache() {
       ++it;
       continue;
     }
-    system_free(it->second.ptr);
+    system_free(it->second.ptr, it->second.capacity);
     freed += it->second.capacity;
     st_.reserved_bytes -= it->second.capacity;
     st_.blocks_reserved -= 1;
@@ -543,6 +637,10 @@ void HostPool::set_capacity(size_t bytes) {
 PoolStats HostPool::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   PoolStats out = st_;
+  {
+    std::lock_guard<std::mutex> numa_lock(numa_mu_);
+    out.numa_placed_allocs = numa_placed_;
+  }
   out.high_water_bytes = high_water_;
   out.working_set_bytes = working_set_;
   return out;
@@ -552,7 +650,10 @@ void HostPool::reset_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   st_.alloc_calls = st_.allocated_bytes = st_.free_calls = 0;
   st_.hits = st_.misses = st_.cap_refusals = st_.alloc_failures = st_.node_refusals = 0;
+  st_.failed_alloc_bytes = 0;
   st_.peak_in_use_bytes = st_.in_use_bytes;
+  std::lock_guard<std::mutex> numa_lock(numa_mu_);
+  numa_placed_ = 0;
 }
 
 void HostPool::give_back(void* ptr, size_t capacity, size_t requested, EventPtr last_use) {

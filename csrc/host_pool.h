@@ -38,6 +38,9 @@ struct PoolStats {
   uint64_t alloc_failures = 0;     // allocations the system refused (or injected failures)
   uint64_t node_refusals = 0;      // acquires refused because the node had too little memory left
   uint64_t capacity_bytes = 0;     // 0 = no cap
+  uint64_t failed_alloc_bytes = 0; // the size of the last allocation the system refused (0: none)
+  int64_t numa_node = -1;          // the node set_numa_cpus() places growth on; -1: not placed
+  uint64_t numa_placed_allocs = 0; // allocations made with the thread bound to that node's CPUs
   bool pinned = false;
 };
 
@@ -152,6 +155,21 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   void inject_alloc_failures(uint64_t n) { inject_failures_.store(n); }
   // Testing aid: called by each system allocation, with the pool lock released, before it allocates.
   void set_alloc_hook(void (*hook)(size_t bytes)) { alloc_hook_.store(hook); }
+  // Testing aid: pinning limited apart from RAM. A system allocation larger than per_alloc bytes
+  // fails (WSL2 refuses pinned allocations over about 500 MB), and so does one that would bring
+  // what the pool holds from the system past total bytes (a memlock limit). 0: no limit.
+  void set_alloc_limit(uint64_t per_alloc, uint64_t total) {
+    limit_per_alloc_.store(per_alloc);
+    limit_total_.store(total);
+  }
+  // NUMA placement: from now on each system allocation runs with the calling thread bound to these
+  // CPUs (the node's), so the pages are placed on `node` as they are first touched (cudaHostAlloc
+  // touches them as it pins; plain host memory is touched here); the thread's own affinity is put
+  // back afterwards. An empty list stops it. The caller decides whether to place at all (engine.py).
+  void set_numa_cpus(int64_t node, const std::vector<int>& cpus);
+  // Testing aid: the CPUs the allocating thread was bound to during the last system allocation, as
+  // the kernel read them back then; empty when it was not bound.
+  std::vector<int> last_alloc_cpus();
 
   // The size a request is rounded to: 16 classes per power of two above 8 KiB (waste < 6.25%),
   // multiples of 512 bytes below. Exposed for tests.
@@ -170,7 +188,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   using FreeMap = std::multimap<size_t, FreeBlock>;  // capacity -> block
   void give_back(void* ptr, size_t capacity, size_t requested, EventPtr last_use);
   void* system_alloc(size_t bytes);  // nullptr when refused
-  void system_free(void* ptr);
+  void* bound_alloc(size_t bytes);   // system_alloc's allocation, on the NUMA node's CPUs when set
+  void system_free(void* ptr, size_t bytes);
   // Rule 1: the smallest free block of capacity >= cls (idle preferred at that capacity), or end().
   FreeMap::iterator best_fit(size_t cls);
   // Frees free blocks (idle ones first, smallest first) until `reserved_ + extra <= limit`; caller
@@ -195,6 +214,13 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   uint64_t working_set_ = 0;  // W; likewise
   std::atomic<uint64_t> inject_failures_{0};
   std::atomic<void (*)(size_t)> alloc_hook_{nullptr};
+  std::atomic<uint64_t> limit_per_alloc_{0};
+  std::atomic<uint64_t> limit_total_{0};
+  std::atomic<uint64_t> system_bytes_{0};  // what the pool holds from the system now
+  std::mutex numa_mu_;                     // guards the three below (taken with or without mu_)
+  std::vector<int> numa_cpus_;
+  std::vector<int> last_alloc_cpus_;
+  uint64_t numa_placed_ = 0;
   // Bytes being allocated with mu_ released (allocate_unlocked): not yet in what the node guard
   // reads, so it counts them itself. Under mu_.
   uint64_t growing_bytes_ = 0;

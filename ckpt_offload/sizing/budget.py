@@ -11,6 +11,9 @@ the cgroup's limit honoured, divided among `LOCAL_WORLD_SIZE` ranks), times a fr
 pool's capacity is set to it; what would go past it spills to the disk tier when one is set, else
 stays on the device, with one warning.
 
+Under Windows' WDDM driver model (`hostmem.is_wddm`), pinned host memory counts against the GPU's
+own memory: the bytes the host pool has pinned are taken from the device half too.
+
 On the CPU test path, `CKPT_OFFLOAD_TEST_DEVICE_BYTES=N` stands in for the device's free memory.
 """
 from __future__ import annotations
@@ -57,6 +60,9 @@ class AutoBudget:
             from the activations' budget: the step runs after they are freed).
         local_world_size: the ranks that share this node's host memory.
         source: where the free figure came from (`"cuda"` or the stand-in's variable).
+        pinned_bytes: the host pool's pinned bytes taken from the device half (WDDM counts them
+            against the GPU's memory); 0 elsewhere.
+        wddm: whether the device runs under WDDM (Windows).
     """
 
     device_bytes: int
@@ -68,6 +74,8 @@ class AutoBudget:
     step_bytes: int
     local_world_size: int
     source: str
+    pinned_bytes: int = 0
+    wddm: bool = False
 
     def describe(self) -> str:
         gib = 2**30
@@ -76,7 +84,10 @@ class AutoBudget:
             f"{HOST_FRACTION:.0%} of the available memory)")
         return (f"budget='auto': device {self.device_bytes / gib:.3f} GiB = held {self.allocated_bytes / gib:.3f} + free "
                 f"{self.free_bytes / gib:.3f} ({self.source}) - margin {self.margin_bytes / gib:.3f} - optimizer states "
-                f"not yet allocated {self.optimizer_bytes / gib:.3f} (the optimizer's step needs "
+                f"not yet allocated {self.optimizer_bytes / gib:.3f}"
+                + (f" - pinned host memory {self.pinned_bytes / gib:.3f} (WDDM counts it against the device)"
+                   if self.wddm else "")
+                + " (the optimizer's step needs "
                 f"{self.step_bytes / gib:.3f} more, which fits); host {host}")
 
 
@@ -178,7 +189,7 @@ def host_budget_bytes(fraction: float = HOST_FRACTION):
     return hostmem.host_share_bytes(fraction)
 
 
-def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, device=None) -> AutoBudget:
+def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, device=None, pinned_bytes=0) -> AutoBudget:
     """The device and host budgets `budget="auto"` plans with, for `model` on its device now.
 
     Args:
@@ -187,6 +198,8 @@ def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, devic
         margin_bytes: what to leave unplanned on the device (default: the larger of 5% of the
             device's memory and 1 GiB; 5% of the stand-in's total on the CPU test path).
         device: the device to read (default: the model's).
+        pinned_bytes: what the host pool has pinned (its reserved bytes); under WDDM it is taken
+            from the device half, elsewhere it does not count.
 
     Raises:
         ValueError: the device is not a CUDA device and `CKPT_OFFLOAD_TEST_DEVICE_BYTES` is not
@@ -214,14 +227,17 @@ def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, devic
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"budget='auto': margin_bytes must be a non-negative int, got {margin_bytes!r}")
     opt = optimizer_state_bytes(model, optimizer)
-    device_bytes = allocated + free - margin - opt
+    wddm = hostmem.is_wddm()
+    pinned = int(pinned_bytes) if wddm else 0
+    device_bytes = allocated + free - margin - opt - pinned
     if device_bytes <= allocated:
+        wddm_note = f", and the {pinned} bytes of pinned host memory WDDM counts against it" if wddm else ""
         raise ValueError(
             f"budget='auto': the device has {free} bytes free, less than the margin ({margin}) and the optimizer "
-            f"states still to come ({opt}); nothing is left for activations"
+            f"states still to come ({opt}){wddm_note}; nothing is left for activations"
         )
     step = optimizer_step_bytes(model, optimizer)
-    if step > free - margin:
+    if step > free - margin - pinned:
         raise ValueError(
             f"budget='auto': the optimizer's step alone does not fit: it needs {step} bytes (gradients and states "
             f"still to come, and its temporaries) beside the {allocated} held, and the device has {free} free less "
@@ -229,7 +245,7 @@ def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, devic
         )
     return AutoBudget(device_bytes=device_bytes, host_bytes=host_budget_bytes(), allocated_bytes=allocated,
                       free_bytes=free, margin_bytes=margin, optimizer_bytes=opt, step_bytes=step,
-                      local_world_size=hostmem.local_world_size(), source=source)
+                      local_world_size=hostmem.local_world_size(), source=source, pinned_bytes=pinned, wddm=wddm)
 
 
 def host_capacity_auto() -> int:

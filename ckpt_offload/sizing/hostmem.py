@@ -1,17 +1,28 @@
 """What this node's host memory is: total, available, the cgroup's limit, NUMA nodes, and how many
-ranks of a job share it. Read from /proc and /sys (Linux); None where a figure cannot be read.
+ranks of a job share it; what limits pinning apart from RAM (the memlock limit, WSL, Windows' WDDM);
+which NUMA node a GPU sits on. Read from /proc and /sys (Linux); None where a figure cannot be read.
 
 One place for these facts: `python -m ckpt_offload env` reports them and `budget="auto"` divides
 them among the node's ranks.
 """
 import os
 import re
+import sys
 
 _MEMINFO = "/proc/meminfo"
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _SELF_CGROUP = "/proc/self/cgroup"
 _NODES = "/sys/devices/system/node"
-# Tests point these at a stand-in tree.
+_PROC_VERSION = "/proc/version"
+_PLATFORM = sys.platform
+# Tests point these at a stand-in tree (and a stand-in platform).
+# The root the NUMA readings start from (sys/bus/pci/devices, sys/devices/system/{node,cpu}); the
+# functions below take `root=` to read a stand-in tree instead.
+SYSFS_ROOT = "/"
+# CKPT_OFFLOAD_NUMA: "auto" (the default) places the pool on the GPU's node, "off" never does.
+NUMA_ENV = "CKPT_OFFLOAD_NUMA"
+# WSL2 refuses pinned allocations above about this size whatever the memlock limit (microsoft/WSL #14078).
+WSL_PIN_LIMIT_BYTES = 500 * 10**6
 
 
 def _meminfo(field: str):
@@ -148,11 +159,11 @@ def memory_available_bytes():
     return max(0, min(values)) if values else None
 
 
-def numa_nodes():
-    """How many NUMA nodes the machine has (folders node<N> under /sys/devices/system/node), or
-    None where that cannot be read."""
+def numa_nodes(root=None):
+    """How many NUMA nodes the machine has (folders node<N> under /sys/devices/system/node, or
+    under `root`/sys/devices/system/node), or None where that cannot be read."""
     try:
-        names = os.listdir(_NODES)
+        names = os.listdir(_NODES if root is None else os.path.join(root, "sys", "devices", "system", "node"))
     except OSError:
         return None
     count = sum(1 for n in names if re.fullmatch(r"node\d+", n))
@@ -222,3 +233,149 @@ def host_share_bytes(fraction: float = 0.5):
     """
     share_of(0, fraction, 1)  # the fraction checked before anything is read
     return share_of(memory_available_bytes(), fraction, local_world_size())
+
+
+# -- what limits pinning apart from RAM ------------------------------------------------------------
+def memlock_limit_bytes():
+    """This process's soft `RLIMIT_MEMLOCK` in bytes (`ulimit -l` shows it in KiB), or None where it
+    is unlimited or the platform has none. The CUDA driver pins through its own module and is not
+    always held to it, but containers with a low limit refuse pinned allocations past it."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def is_wsl(version_path=None) -> bool:
+    """Whether this is Linux under Windows' WSL: /proc/version names Microsoft or WSL."""
+    try:
+        with open(version_path or _PROC_VERSION) as f:
+            text = f.read().lower()
+    except OSError:
+        return False
+    return "microsoft" in text or "wsl" in text
+
+
+def is_wddm(platform=None) -> bool:
+    """Whether the GPU runs under Windows' WDDM driver model, which counts pinned host memory
+    against the GPU's own memory: taken as true on Windows (`sys.platform`, or `platform` given),
+    where WDDM is the default for every GPU not switched to TCC."""
+    return (platform if platform is not None else _PLATFORM).startswith(("win", "cygwin"))
+
+
+def pinning_limits(version_path=None, platform=None) -> dict:
+    """What limits pinned memory here besides RAM: `memlock_limit_bytes` (None: unlimited), `wsl`,
+    `wsl_pin_limit_bytes` (the largest pinned allocation WSL2 is known to grant, None off WSL) and
+    `wddm` (pinned bytes count against the GPU's memory)."""
+    wsl = is_wsl(version_path)
+    return {"memlock_limit_bytes": memlock_limit_bytes(), "wsl": wsl,
+            "wsl_pin_limit_bytes": WSL_PIN_LIMIT_BYTES if wsl else None, "wddm": is_wddm(platform)}
+
+
+def pinning_advice(limits=None) -> str:
+    """One sentence naming the limits in force and the settings that change them, for the messages
+    that report a refused pinned allocation."""
+    limits = pinning_limits() if limits is None else limits
+    found = []
+    if limits["memlock_limit_bytes"] is not None:
+        found.append(f"the memlock limit is {limits['memlock_limit_bytes']} bytes (raise it: `ulimit -l unlimited`, "
+                     "or `docker run --ulimit memlock=-1`)")
+    if limits["wsl"]:
+        found.append(f"this is WSL, which refuses pinned allocations over about {WSL_PIN_LIMIT_BYTES // 10**6} MB "
+                     "whatever the memlock limit")
+    if limits["wddm"]:
+        found.append("under Windows' WDDM pinned memory counts against the GPU's own memory")
+    where = "; ".join(found) if found else "no memlock limit or WSL found; the system's pinnable memory ran out"
+    return (f"Pinned memory is limited here: {where}. Cap the pool below the limit with "
+            "host_pool().set_capacity(bytes), or give it a disk tier with host_pool().set_spill_dir(path) "
+            "(docs: troubleshooting, pinned memory).")
+
+
+# -- NUMA: the node of a GPU -----------------------------------------------------------------------
+def parse_cpulist(text):
+    """The CPUs of a sysfs cpulist ("0-3,8,10-11"), as a sorted list; None where it is not one."""
+    text = (text or "").strip()
+    if not text:
+        return []
+    cpus = set()
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", item)
+        if not m:
+            return None
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            return None
+        cpus.update(range(lo, hi + 1))
+    return sorted(cpus)
+
+
+def _sys_read(root, *parts):
+    try:
+        with open(os.path.join(root if root is not None else SYSFS_ROOT, "sys", *parts)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def gpu_numa_node(pci_address, root=None):
+    """The NUMA node of the PCI device `pci_address` ("0000:3b:00.0"): its numa_node file under
+    sys/bus/pci/devices; None where unknown (no such file, or -1, the kernel's "no node")."""
+    text = _sys_read(root, "bus", "pci", "devices", pci_address.lower(), "numa_node")
+    if text is None or not re.fullmatch(r"-?\d+", text) or int(text) < 0:
+        return None
+    return int(text)
+
+
+def node_cpus(node, root=None):
+    """The CPUs of NUMA node `node` (sys/devices/system/node/node<N>/cpulist); None where unreadable."""
+    return parse_cpulist(_sys_read(root, "devices", "system", "node", f"node{node}", "cpulist"))
+
+
+def numa_setting(environ=None) -> str:
+    """CKPT_OFFLOAD_NUMA: "auto" (unset) or "off". Raises ValueError on anything else."""
+    value = (os.environ if environ is None else environ).get(NUMA_ENV, "").strip().lower()
+    if value in ("", "auto", "on", "1"):
+        return "auto"
+    if value in ("off", "0", "none"):
+        return "off"
+    raise ValueError(f"{NUMA_ENV} must be 'auto' or 'off', got {value!r}")
+
+
+def numa_placement(pci_address, *, root=None, affinity=None, environ=None) -> dict:
+    """Where the host pool of a rank whose GPU is at `pci_address` pins its memory.
+
+    The GPU's node and its CPUs come from sysfs (under `root`, default "/"). A binding the user made
+    wins: when the process's CPU affinity (`affinity`, default `os.sched_getaffinity(0)`) is narrower
+    than every online CPU (numactl, taskset, a launcher's binding), or CKPT_OFFLOAD_NUMA=off, nothing
+    is placed.
+
+    Returns:
+        dict: `node` (int, or None where nothing is placed), `cpus` (the node's CPUs the allocating
+            thread binds to while the pool grows; empty when nothing is placed), `gpu_node` (the
+            GPU's node as sysfs reads, or None), `reason` (why this node, or why none).
+    """
+    root = SYSFS_ROOT if root is None else root
+    out = {"node": None, "cpus": [], "gpu_node": None, "pci_address": pci_address}
+    if numa_setting(environ) == "off":
+        return {**out, "reason": f"{NUMA_ENV}=off"}
+    if pci_address is None:
+        return {**out, "reason": "no CUDA device"}
+    gpu = out["gpu_node"] = gpu_numa_node(pci_address, root)
+    nodes = numa_nodes(root)
+    if nodes is None or nodes < 2:
+        return {**out, "reason": "one NUMA node" if nodes == 1 else "NUMA nodes not readable"}
+    if gpu is None:
+        return {**out, "reason": f"the GPU's NUMA node is unknown (sysfs numa_node of {pci_address})"}
+    cpus = node_cpus(gpu, root)
+    if not cpus:
+        return {**out, "reason": f"node {gpu} lists no CPUs"}
+    online = parse_cpulist(_sys_read(root, "devices", "system", "cpu", "online"))
+    if affinity is None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if affinity is not None and online and set(online) - set(affinity):
+        return {**out, "reason": f"the process's CPU affinity was set outside ckpt_offload ({len(affinity)} of "
+                                 f"{len(online)} CPUs: numactl, taskset or the launcher); it is left as it is"}
+    return {**out, "node": gpu, "cpus": cpus, "reason": f"the GPU's node (sysfs, {pci_address})"}

@@ -65,7 +65,10 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
         raise TypeError(f"plan_memory: example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
     auto = None
     if _budget.is_auto(budget_bytes):
-        auto = _budget.auto_budget(model, optimizer=optimizer)
+        from .. import engine as _engine  # the pool's pinned bytes: WDDM counts them against the device
+
+        pinned = _engine._C.global_pool().stats()["reserved_bytes"]
+        auto = _budget.auto_budget(model, optimizer=optimizer, pinned_bytes=pinned)
         budget_bytes = auto.device_bytes
         if host_budget_bytes is None:
             host_budget_bytes = auto.host_bytes

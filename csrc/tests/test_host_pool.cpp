@@ -17,6 +17,8 @@
 #include <vector>
 
 #include <dirent.h>
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -817,6 +819,60 @@ void test_node_guard_concurrent() {
   unlink(path);
 }
 
+void test_alloc_limit() {
+  // A limit on one allocation (WSL2's) and on what the pool holds (a memlock limit): the refused
+  // growth is soft, counted, and the size refused is reported; freeing makes room again.
+  auto pool = HostPool::create(false);
+  pool->set_alloc_limit(MiB, 0);
+  CHECK(pool->acquire(MiB + 1, true) == nullptr);
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.alloc_failures, 1u);
+  CHECK_EQ(s.failed_alloc_bytes, HostPool::round_size(MiB + 1));
+  CHECK_EQ(s.reserved_bytes, 0u);
+  auto a = pool->acquire(MiB, true);
+  CHECK(a != nullptr);
+  pool->set_alloc_limit(0, 2 * MiB);
+  auto b = pool->acquire(MiB, true);  // 2 MiB held: at the limit
+  CHECK(b != nullptr);
+  CHECK(pool->acquire(64 * KiB, true) == nullptr);  // past it
+  CHECK_EQ(pool->stats().alloc_failures, 2u);
+  CHECK_THROWS(pool->reserve(MiB + 64 * KiB), std::runtime_error);
+  a.reset();
+  b.reset();
+  CHECK_EQ(pool->empty_cache(), 2 * MiB);
+  auto c = pool->acquire(2 * MiB, true);  // what was freed counts no more
+  CHECK(c != nullptr);
+  pool->set_alloc_limit(0, 0);
+  CHECK(pool->acquire(4 * MiB, true) != nullptr);
+}
+
+void test_numa_binding() {
+  // Each growth runs with the thread bound to the node's CPUs; the thread's affinity is put back.
+  cpu_set_t before;
+  if (!CHECK(pthread_getaffinity_np(pthread_self(), sizeof before, &before) == 0)) return;
+  int last = -1;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &before)) last = c;
+  }
+  auto pool = HostPool::create(false);
+  auto a = pool->acquire(MiB, true);
+  CHECK(pool->last_alloc_cpus().empty());
+  pool->set_numa_cpus(1, {last});
+  auto b = pool->acquire(2 * MiB, true);
+  CHECK(b != nullptr);
+  CHECK(pool->last_alloc_cpus() == std::vector<int>{last});
+  PoolStats s = pool->stats();
+  CHECK_EQ(s.numa_node, 1);
+  CHECK_EQ(s.numa_placed_allocs, 1u);
+  cpu_set_t after;
+  CHECK(pthread_getaffinity_np(pthread_self(), sizeof after, &after) == 0);
+  CHECK(CPU_EQUAL(&before, &after));
+  pool->set_numa_cpus(-1, {});
+  auto c = pool->acquire(4 * MiB, true);
+  CHECK(pool->last_alloc_cpus().empty());
+  CHECK_EQ(pool->stats().numa_node, -1);
+}
+
 const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
     {"round_size", test_round_size},   {"hit_reuse", test_hit_reuse},     {"cap_refusal", test_cap_refusal},
     {"alloc_failure", test_alloc_failure}, {"empty_cache", test_empty_cache}, {"reserve", test_reserve},
@@ -825,6 +881,7 @@ const std::vector<std::pair<std::string, std::function<void()>>> kTests = {
     {"bound_adversarial", test_bound_adversarial}, {"reserve_pairs", test_reserve_pairs},
     {"spill_roundtrip", test_spill_roundtrip}, {"spill_bad_path", test_spill_bad_path},
     {"spill_faults", test_spill_faults}, {"node_guard_concurrent", test_node_guard_concurrent},
+    {"alloc_limit", test_alloc_limit},   {"numa_binding", test_numa_binding},
 };
 
 }  // namespace
