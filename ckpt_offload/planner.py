@@ -74,7 +74,8 @@ class _Probe:
                 self.live.peak = now
             t = time.perf_counter()
         # Bytes sent to the host so far, in the forward only (stats() would perturb the backward's timing).
-        sent = _engine.stats()["bytes_offloaded"] if name.startswith("f") else 0
+        # On the meta device (the estimate) nothing reaches the engine: no copy is ever made there.
+        sent = _engine.stats()["bytes_offloaded"] if name.startswith("f") and self.device.type != "meta" else 0
         self.marks[name] = (now, peak, t, sent)
 
     def elapsed_ms(self, a, b):
