@@ -38,6 +38,7 @@ def __getattr__(name):
         return getattr(_C, name)
     raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")
 
+
 def build_info():
     """How the compiled core was built, and what it finds now.
 
@@ -83,3 +84,5 @@ __all__ = [
     "CopyEngine",
     "OffloadHandle",
 ]
+if _load_error is not None:  # `from ckpt_offload import *` without the core: what exists
+    __all__ = [n for n in __all__ if n not in _CORE_CLASSES]
