@@ -553,7 +553,7 @@ class MemoryEstimate:
         return int(self.cost_model.peak(list(modes)) + self.extra_bytes)
 
     def configuration(self, every_n_layers=1, offload=True, keep_last=1, policy=None, offload_all=False,
-                      checkpointing=True) -> "ConfigurationRow":
+                      checkpointing=True) -> ConfigurationRow:
         """The row of one exact configuration: the block modes that `enable_checkpointing`,
         `integrations.hf.enable`, `OffloadCallback`, `hf.install` and accelerate's FSDP2 offload assign for
         these keywords (`selection.block_modes`, the function they assign them with), and that
@@ -884,7 +884,10 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         recipe: a `ckpt_offload.sizing.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
             quantized base weights, sharding (default: `Recipe(optim=optimizer)`, transformers' loss,
             gradients kept, the weights in the model's dtype, one rank). Build the model in the dtype
-            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights.
+            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights. For fp32
+            master weights under `recipe.autocast` without `recipe.shard`, build it in fp32: the step
+            then runs as autocast runs it on a GPU (sharded, FSDP's and DeepSpeed's mixed precision
+            gather the weights in the compute dtype: build it in that).
 
     Returns:
         MemoryEstimate: per mode the peak and host bytes, the parts, `table()`, `to_json()`,
