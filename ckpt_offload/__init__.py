@@ -5,35 +5,38 @@ offload_activations() around any forward pass. integrations.hf, .trl and .accele
 transformers, TRL (activation_offloading=True) and accelerate (FSDP2 activation_checkpointing_offload=True).
 """
 from ._version import __version__  # noqa: F401  (public: ckpt_offload.__version__)
-from . import _loader
+from . import engine as _engine
 
-_load_error = None
-try:
-    _C = _loader.load()
-except Exception as _err:  # ImportError, or OSError from a torch whose libraries do not load
-    # `python -m ckpt_offload env` (or `ckpt-offload env`) reports a core that does not load, with
-    # its error, instead of failing on it; the package then defines nothing that needs the core.
-    if not _loader.started_as_env_command():
-        raise
-    _load_error = _err
+# The compiled core, or where it did not load (not built, built for another torch) the error saying
+# why: everything imports without it, and what needs it raises that error when used. Sizing
+# (estimate_memory, `python -m ckpt_offload estimate`) runs on the meta device and needs none.
+_C = _engine._C
+_load_error = _engine.load_error
 
+from .checkpointing import checkpoint  # noqa: E402
+from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
+from .activations import offload_activations  # noqa: E402
+from .session import OffloadSession  # noqa: E402
+from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
+from .reserve import reserve_for  # noqa: E402
+from .planner import MemoryPlan  # noqa: E402
+from .sizing.plan import plan_memory  # noqa: E402
+from .sizing.estimate import MemoryEstimate, estimate_memory  # noqa: E402
+# The function shadows its module's name in the package (the module stays in sys.modules).
+from .timeline import Timeline, timeline  # noqa: E402
+
+_CORE_CLASSES = ("HostPool", "HostBlock", "CopyEngine", "OffloadHandle")
 if _load_error is None:
-    from .checkpointing import checkpoint  # noqa: E402
-    from .engine import engine_for, host_pool, poll, profile, reset_stats, stats, synchronize  # noqa: E402
-    from .activations import offload_activations  # noqa: E402
-    from .session import OffloadSession  # noqa: E402
-    from .model import checkpointing_state, disable_checkpointing, enable_block_modes, enable_checkpointing, find_repeated_blocks  # noqa: E402
-    from .reserve import reserve_for  # noqa: E402
-    from .planner import MemoryPlan  # noqa: E402
-    from .sizing.plan import plan_memory  # noqa: E402
-    from .sizing.estimate import MemoryEstimate, estimate_memory  # noqa: E402
-    # The function shadows its module's name in the package (the module stays in sys.modules).
-    from .timeline import Timeline, timeline  # noqa: E402
-
     HostPool = _C.HostPool
     HostBlock = _C.HostBlock
     CopyEngine = _C.CopyEngine
     OffloadHandle = _C.OffloadHandle
+
+
+def __getattr__(name):
+    if name in _CORE_CLASSES:  # only reached where the core did not load
+        return getattr(_C, name)
+    raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")
 
 
 def build_info():
@@ -81,3 +84,5 @@ __all__ = [
     "CopyEngine",
     "OffloadHandle",
 ]
+if _load_error is not None:  # `from ckpt_offload import *` without the core: what exists
+    __all__ = [n for n in __all__ if n not in _CORE_CLASSES]

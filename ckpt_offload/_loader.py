@@ -1,4 +1,5 @@
 """Loads the compiled core, ckpt_offload._C, and checks it was built for the torch that is running."""
+import importlib
 import json
 import os
 import sys
@@ -70,16 +71,6 @@ def shadowed_install():
     return locations[0] if locations else None
 
 
-def started_as_env_command():
-    """Whether this process is `python -m ckpt_offload env ...` or `ckpt-offload env ...`: the bug
-    report, which must run (and report the error) where the core does not load."""
-    argv = list(getattr(sys, "orig_argv", []))
-    for i in range(len(argv) - 2):
-        if argv[i] == "-m" and argv[i + 1] in ("ckpt_offload", "ckpt_offload.__main__"):
-            return argv[i + 2] == "env"
-    return os.path.basename(sys.argv[0]) == "ckpt-offload" and sys.argv[1:2] == ["env"]
-
-
 def _record():
     try:
         from . import _build_info
@@ -107,7 +98,9 @@ def load():
             f"rebuild it: {rebuild_command()}"
         )
     try:
-        from . import _C
+        # By its full name: `from . import _C` inside the package's own import reports a missing module
+        # as a "partially initialized module (most likely due to a circular import)".
+        _C = importlib.import_module(f"{__package__}._C")
     except ImportError as err:
         installed_copy = shadowed_install()
         if installed_copy is not None:
@@ -118,9 +111,20 @@ def load():
                 "directory; to work on this folder's sources, build them in place: pip install "
                 "--no-build-isolation -e ."
             ) from err
-        built_for = record.TORCH_VERSION if record is not None else "no build record: never built"
-        raise ImportError(
-            f"ckpt_offload._C could not be loaded ({err}). Built for torch: {built_for}; installed: torch "
-            f"{installed}. Build it with: {rebuild_command()}"
-        ) from err
+        raise ImportError(load_failure(err, record, installed)) from err
     return _C
+
+
+def load_failure(err, record, installed) -> str:
+    """Why the core did not load, in one message: not built at all (no compiled file in the package),
+    or a file that does not load, with its error; the torch versions only where they differ (equal
+    ones say nothing about the cause); and the command that builds it."""
+    missing = isinstance(err, ModuleNotFoundError) and err.name == f"{__package__}._C"
+    if missing:
+        cause = (f"ckpt_offload._C is not built: no compiled extension in {_PACKAGE_DIR} "
+                 f"(sizing, `python -m ckpt_offload estimate`, works without it)")
+    else:
+        cause = f"ckpt_offload._C could not be loaded ({err})"
+    if record is not None and record.TORCH_VERSION != installed:
+        cause += f"; built for torch {record.TORCH_VERSION}, torch {installed} is installed"
+    return f"{cause}. Build it with: {rebuild_command()}"

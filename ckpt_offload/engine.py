@@ -9,9 +9,26 @@ from ._args import check_bool, check_size
 from ._loader import load
 from .sizing import budget as _budget
 
-_C = load()
-_pool_set_capacity = _C.HostPool.set_capacity
-_pool_reserve = _C.HostPool.reserve
+
+class _Absent:
+    """The compiled core where it did not load: every use raises the loader's error, which says why.
+    The rest of the package imports without it, so that sizing (which runs on the meta device and
+    moves nothing) works before the extension is built."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __getattr__(self, name):
+        raise ImportError(f"{self.error} (needed for ckpt_offload._C.{name})") from self.error
+
+
+try:
+    _C = load()
+    load_error = None
+except ImportError as _err:
+    _C, load_error = _Absent(_err), _err
+_pool_set_capacity = _C.HostPool.set_capacity if load_error is None else None
+_pool_reserve = _C.HostPool.reserve if load_error is None else None
 
 
 def _set_capacity(pool, nbytes) -> None:
@@ -205,8 +222,9 @@ def follow_node() -> None:
 
 
 # "auto" is worked out here, above the compiled pool, from the node's figures (hostmem).
-_C.HostPool.set_capacity = _set_capacity
-_C.HostPool.reserve = _reserve
+if load_error is None:
+    _C.HostPool.set_capacity = _set_capacity
+    _C.HostPool.reserve = _reserve
 
 # Counted in Python (session.py): saved tensors of a tensor subclass the engine cannot take (not a
 # DTensor), kept on the device.
@@ -386,6 +404,8 @@ def synchronize() -> None:
     Training never needs it (the engine orders everything with events); use it before reading
     figures that depend on copies being done, or in tests.
     """
+    if load_error is not None:
+        return  # without the core no engine exists, and no copy was ever queued
     for eng in _C.all_engines():
         eng.synchronize()
 

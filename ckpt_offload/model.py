@@ -13,6 +13,7 @@ from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
+from .selection import block_modes
 
 _gc_layer_class = gc_layer_class
 
@@ -120,13 +121,9 @@ def enable_checkpointing(
             "ckpt_offload.integrations.hf.checkpointing_disable(model) first, or use ckpt_offload.integrations.hf.enable(model, ...)"
         )
 
-    checkpointed = [i for i in range(len(blocks)) if i % every_n_layers == 0]
-    if offload and keep_last > len(checkpointed):
-        raise ValueError(
-            f"enable_checkpointing: keep_last={keep_last} is larger than the {len(checkpointed)} checkpointed "
-            f"layers; use 0..{len(checkpointed)}"
-        )
-    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    modes = block_modes(len(blocks), every_n_layers, offload, keep_last)
+    checkpointed = [i for i, m in enumerate(modes) if m != "none"]
+    offloaded = [i for i, m in enumerate(modes) if m == "checkpoint+offload"]
     if offload and not offloaded:
         warnings.warn(
             f"enable_checkpointing: offload=True offloads nothing: keep_last={keep_last} keeps all "
@@ -141,9 +138,6 @@ def enable_checkpointing(
         policy = {position.get(k, k) if _is_index(k) else k: p for k, p in policy.items()}
     contexts = policies.per_block("enable_checkpointing", policy, checkpointed)
 
-    modes = ["none"] * len(blocks)
-    for i in checkpointed:
-        modes[i] = "checkpoint+offload" if i in offloaded else "checkpoint"
     hf_layers = gc_cls is not None and all(isinstance(b, gc_cls) for b in blocks)
     att = Attachment(owner_of(model), blocks, modes, hf=hf_layers, contexts=contexts, options=options,
                      numbering=numbering, prefetch=prefetch, prefetch_bytes=prefetch_bytes)

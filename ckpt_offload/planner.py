@@ -17,6 +17,7 @@ from torch import nn
 from . import engine as _engine
 from . import policies
 from .midpoints import _in_backward
+from .selection import block_modes
 from .session import test_cpu_enabled
 from .training import training_mode
 from .model import BLOCK_MODES, disable_checkpointing, enable_block_modes, find_repeated_blocks
@@ -73,7 +74,8 @@ class _Probe:
                 self.live.peak = now
             t = time.perf_counter()
         # Bytes sent to the host so far, in the forward only (stats() would perturb the backward's timing).
-        sent = _engine.stats()["bytes_offloaded"] if name.startswith("f") else 0
+        # On the meta device (the estimate) nothing reaches the engine: no copy is ever made there.
+        sent = _engine.stats()["bytes_offloaded"] if name.startswith("f") and self.device.type != "meta" else 0
         self.marks[name] = (now, peak, t, sent)
 
     def elapsed_ms(self, a, b):
@@ -305,9 +307,7 @@ class CostModel:
 
 def uniform_modes(n, every_n, offload, keep_last=1):
     """The modes enable_checkpointing(every_n_layers=every_n, offload=offload, keep_last=keep_last) sets."""
-    ck = [i for i in range(n) if i % every_n == 0]
-    off = set(ck[: len(ck) - keep_last]) if offload else set()
-    return ["none" if i not in ck else "checkpoint+offload" if i in off else "checkpoint" for i in range(n)]
+    return block_modes(n, every_n, offload, keep_last, where="uniform_modes")
 
 
 def uniform_configs(n):

@@ -120,7 +120,8 @@ def copy_package(dest):
 
 def test_a_core_that_does_not_load_is_reported(tmp_path):
     """A _C that is no shared library: the report still comes, with the loader's error in `build`, and
-    the rebuild hint of a package outside a checkout; `import ckpt_offload` itself still fails."""
+    the rebuild hint of a package outside a checkout, and no torch versions (the build record's equals the
+    installed one: not the cause). `import ckpt_offload` works (sizing needs no core); using the core fails."""
     copy_package(tmp_path / "site")
     (tmp_path / "site" / "ckpt_offload" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_text("broken\n")
     (tmp_path / "site" / "ckpt_offload" / "_build_info.py").write_text(
@@ -130,15 +131,15 @@ def test_a_core_that_does_not_load_is_reported(tmp_path):
     b = r["build"]
     assert b["loaded"] is False and b["matches_torch"] is True
     assert b["record"] == {"torch_version": torch.__version__, "with_cuda": False, "cuda_version": None}
-    assert "ckpt_offload._C could not be loaded" in b["error"] and f"Built for torch: {torch.__version__}" in b["error"]
+    assert "ckpt_offload._C could not be loaded" in b["error"] and torch.__version__ not in b["error"]
     assert "pip install --no-build-isolation --no-deps --force-reinstall" in b["error"]
     assert b["source_checkout"] is False and r["torch"]["version"] == torch.__version__
     assert r["host"]["pinned_in_use_bytes"] is None and r["host"]["memory_total_bytes"] == hostmem.memory_total_bytes()
     assert "build:               does not load: ImportError: ckpt_offload._C could not be loaded" in run_env(
         cwd=tmp_path, env=env)
-    p = subprocess.run([sys.executable, "-c", "import ckpt_offload"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode != 0 and "ckpt_offload._C could not be loaded" in p.stderr
+    p = subprocess.run([sys.executable, "-c", "import ckpt_offload; ckpt_offload.host_pool()"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "ckpt_offload._C could not be loaded" in p.stderr, p.stderr
 
 
 def test_a_build_for_another_torch_is_reported(tmp_path):

@@ -254,7 +254,7 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes", "recipe",
-                        "selected_mode", "why_nothing_fits", "modes", "parts", "optimizer_step_peak_bytes"}
+                        "your_run", "why_nothing_fits", "modes", "parts", "optimizer_step_peak_bytes"}
     assert out["max_seq"] == 4096
     assert out["device_margin_bytes"] == 0
     assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2
@@ -433,7 +433,8 @@ def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, mon
         for chunk in body.strip().split("\n\n"):
             command, _, shown = chunk.partition("\n")
             runs.append((command[len("$ python -m ckpt_offload estimate "):].split(), shown.strip()))
-    assert len(runs) == 7  # full fine-tuning pure bf16, fp32 master, sharded; LoRA at 8k, 32k, 128k, 128k fused
+    assert len(runs) == 8  # full fine-tuning pure bf16, fp32 master, sharded; LoRA at 8k, 32k, 32k every second
+    # layer (the "your run" row), 128k, 128k fused
     for argv, shown in runs:
         assert main(argv) == 0
         assert capsys.readouterr().out.strip() == shown, " ".join(argv)

@@ -34,6 +34,7 @@ from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
 from ..model import checkpointing_state, disable_checkpointing
+from ..selection import block_modes, checkpointed_indices
 
 log = logging.getLogger("ckpt_offload")
 
@@ -175,21 +176,15 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     policy = policies.prepare("hf.enable", policy)
     layers = [m for m in target.modules() if isinstance(m, GradientCheckpointingLayer)]
     # transformers' own selection (PreTrainedModel._set_gradient_checkpointing): layer index % n == 0.
-    checkpointed = list(range(0, len(layers), every_n_layers))
-    if offload and keep_last > len(checkpointed):
-        raise ValueError(
-            f"hf.enable: keep_last={keep_last} is larger than the {len(checkpointed)} checkpointed layers; "
-            f"use 0..{len(checkpointed)}"
-        )
+    checkpointed = checkpointed_indices(len(layers), every_n_layers)
+    block_modes(len(layers), offload=offload, keep_last=keep_last, checkpointed=checkpointed, where="hf.enable")
     contexts = policies.per_block("hf.enable", policy, checkpointed)
     # Everything is checked: from here on the model changes.
     disable_checkpointing(target)
     checkpointing_enable(target, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
+    # The layers transformers' selection checkpointed, read off them; which of those offload is ours.
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
-    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
-    modes = ["none"] * len(layers)
-    for i in checkpointed:
-        modes[i] = "checkpoint+offload" if i in offloaded else "checkpoint"
+    modes = block_modes(len(layers), offload=offload, keep_last=keep_last, checkpointed=checkpointed, where="hf.enable")
     Attachment(target, layers, modes, hf=True, contexts=contexts, checkpoint_kwargs=checkpoint_kwargs,
                prefetch=prefetch, prefetch_bytes=prefetch_bytes).attach()
     return checkpointed
@@ -378,7 +373,7 @@ class OffloadCallback(TrainerCallback):
     @staticmethod
     def _count(model, every_n_layers):
         n = sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
-        return len(range(0, n, every_n_layers))
+        return len(checkpointed_indices(n, every_n_layers))
 
 
 # -- install(): transformers' own offload=True through the engine -------------------------------------

@@ -55,6 +55,32 @@ def _positive(text):
     return v
 
 
+def _count(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return v
+
+
+_RUN_FLAGS = (("every_n_layers", "every_n_layers"), ("offload", "offload"), ("keep_last", "keep_last"),
+              ("policy", "policy"), ("offload_all", "offload_all"))
+
+
+def configuration(args, from_file=None):
+    """(the keywords of MemoryEstimate.configuration, where they came from) for the run the options and
+    --training-args describe, or (None, None) when neither names one. The options win over the file."""
+    given = {key: getattr(args, attr) for attr, key in _RUN_FLAGS if getattr(args, attr, None) is not None}
+    if not given:
+        return (dict(from_file), "--training-args") if from_file is not None else (None, None)
+    base = dict(from_file) if from_file is not None else {}
+    if base.get("checkpointing") is False and not given.get("offload_all"):
+        base = {}  # the options turn checkpointing on: the file's "off" gives way to them
+    return {**base, **given}, "the options" if from_file is None else "--training-args and the options"
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog=f"{command_name()} estimate",
@@ -108,9 +134,33 @@ def _parser():
                         "the larger of 5%% of the device memory and 1 GiB, as budget='auto' leaves; 0: none)")
     p.add_argument("--host-memory", type=parse_size, default=None,
                    help="host memory of the node, e.g. 2TiB (default: this machine's available memory)")
+    p.add_argument("--ranks", type=_positive, default=None,
+                   help="the job's ranks, which a sharded recipe (FSDP, DeepSpeed ZeRO, --cp) divides its weights, "
+                        "gradients and states among (default: --accelerate-config's num_processes, the launcher's "
+                        "WORLD_SIZE, else --ranks-per-node on one node)")
+    p.add_argument("--cp", type=_positive, default=None, metavar="N",
+                   help="context parallelism as accelerate's parallelism_config_cp_size: each rank holds 1/N of the "
+                        "sequence, FSDP2 shards across the job's ranks (default: --accelerate-config's, else 1)")
+    p.add_argument("--accelerate-config", default=None, metavar="FILE",
+                   help="accelerate launch's config file (YAML or JSON, read by accelerate): num_processes, "
+                        "num_machines, FSDP, parallelism_config_cp_size")
     p.add_argument("--ranks-per-node", type=_positive, default=None,
                    help="ranks sharing the node's host memory (default: the launcher's, as hostmem.local_world_size "
                         "reads it: LOCAL_WORLD_SIZE, SLURM, Open MPI, MPICH; else 1)")
+    run_ = p.add_argument_group("your run", "the exact configuration to size as one more row, as "
+                                "enable_checkpointing, hf.enable, OffloadCallback and accelerate's FSDP2 offload "
+                                "assign it (with --training-args, its gradient_checkpointing and kwargs)")
+    run_.add_argument("--every-n-layers", type=_positive, default=None, metavar="N",
+                      help="the first block and every N-th after it checkpointed (default 1)")
+    run_.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                      help="the checkpointed blocks' inputs on the host (default: offload, as the entry points)")
+    run_.add_argument("--keep-last", type=_count, default=None, metavar="K",
+                      help="the last K checkpointed blocks keep their inputs on the device (default 1)")
+    run_.add_argument("--policy", default=None, choices=["attention"],
+                      help="selective checkpointing inside the checkpointed blocks (not sized: refused)")
+    run_.add_argument("--offload-all", action="store_true", default=None,
+                      help="every saved activation offloaded, as offload_activations and TRL's "
+                           "activation_offloading do (not sized: refused)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -146,7 +196,7 @@ def margin_bytes(device_bytes: int) -> int:
     return max(int(budget.MARGIN_FRACTION * device_bytes), budget.MARGIN_MIN_BYTES)
 
 
-def _hardware(args):
+def _hardware(args, job):
     """(device bytes or None, node host bytes or None, ranks per node): the flags, else this machine's."""
     from . import hostmem
 
@@ -157,15 +207,15 @@ def _hardware(args):
         if torch.cuda.is_available():
             device = int(torch.cuda.mem_get_info()[0])
     host = args.host_memory if args.host_memory is not None else hostmem.memory_available_bytes()
-    ranks = args.ranks_per_node if args.ranks_per_node is not None else hostmem.local_world_size()
-    return device, host, ranks
+    return device, host, job["ranks_per_node"]
 
 
 def _sources(args):
     """Where the device and host figures came from, in words."""
     device = "--device-memory" if args.device_memory is not None else "this machine's GPU"
     host = "--host-memory" if args.host_memory is not None else "this machine's available memory"
-    ranks = "--ranks-per-node" if args.ranks_per_node is not None else "the launcher's variables"
+    ranks = ("--ranks-per-node" if args.ranks_per_node is not None else "--accelerate-config"
+             if args.accelerate_config else "the launcher's variables")
     return dict(device=device, host=host, ranks=ranks)
 
 
@@ -245,12 +295,24 @@ def resolve(args):
     from . import recipe as _recipe
     from . import recipe_files
 
-    ranks = args.ranks_per_node
-    if ranks is None:
-        from . import hostmem
+    from . import launch
 
-        ranks = hostmem.local_world_size()
-    ta = recipe_files.training_args(args.training_args, ranks) if args.training_args else {}
+    try:
+        job = launch.job(args.ranks, args.ranks_per_node, args.cp, args.accelerate_config)
+    except launch.LaunchError as e:
+        raise _UsageError(str(e)) from None
+    ranks = job["ranks"]
+    ta = recipe_files.training_args(args.training_args, ranks or 1) if args.training_args else {}
+    shard = args.shard or ta.get("shard")
+    if shard is None and job["shard_kind"] is not None:
+        shard = f"{job['shard_kind']}:{ranks or 1}"
+    if shard is None and job["cp"] > 1:
+        shard = f"fsdp:{ranks}"  # context parallelism runs under FSDP2, across the same ranks
+    if ranks is None and not args.shard and shard is not None:
+        where = f"--training-args {args.training_args!r}" if ta.get("shard") else f"--accelerate-config {args.accelerate_config!r}"
+        raise _UsageError(f"{where} shards the model ({shard.split(':')[0]}) across the job's ranks, and nothing says "
+                          f"how many: give --ranks N (or --ranks-per-node N for one node, or run under the launcher, "
+                          f"which sets WORLD_SIZE)")
     seq = args.seq if args.seq is not None else ta.get("seq")
     if seq is None:
         raise _UsageError("--seq is required (or a max_length in --training-args)")
@@ -280,11 +342,21 @@ def resolve(args):
                                 dtype=master if autocast else None, autocast=compute,
                                 loss=args.loss or ta.get("loss", "transformers"),
                                 grads=args.grads or ta.get("grads", "kept"), quantize=args.quantize,
-                                shard=args.shard or ta.get("shard"))
+                                shard=shard)
     except ValueError as e:
         raise _UsageError(str(e)) from None
-    build_dtype = autocast if autocast else weights
-    return seq, batch, build_dtype, recipe, lora, ta.get("mode")
+    # fp32 master weights under autocast: built in fp32, the step run as autocast runs it. Sharded (FSDP's
+    # and DeepSpeed's mixed precision), the weights are gathered in the compute dtype: built in it.
+    build_dtype = autocast if autocast and recipe.shard else weights
+    run_config, source = configuration(args, ta.get("configuration"))
+    if run_config is not None:
+        from .estimate import configuration_row
+
+        try:
+            configuration_row(None, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+    return seq, batch, build_dtype, recipe, lora, (run_config, source), job
 
 
 def run(args, progress=None):
@@ -295,12 +367,16 @@ def run(args, progress=None):
     from .estimate import estimate_memory
 
     progress = progress or _Progress(quiet=True)
-    seq, batch, build_dtype, recipe, lora, selected = resolve(args)
+    seq, batch, build_dtype, recipe, lora, (run_config, source), job = resolve(args)
+    cp = job["cp"]
+    seq_rank = -(-seq // cp)  # context parallelism: this rank's part of the sequence
     progress("building the model on the meta device")
     model, name, dtype = build_model(args.config, build_dtype, args.lora_rank, args.attention, lora=lora,
                                      adapter_dtype=args.adapter_dtype)
-    _check_numel(model, batch, seq)
+    _check_numel(model, batch, seq_rank)
     described = recipe.describe(dtype)
+    if cp > 1:
+        described += f"; context parallel across {cp} ranks ({seq_rank} tokens a rank)"
     adapters = [p for p in model.parameters() if p.requires_grad]
     if lora or args.lora_rank:
         kinds = sorted({str(p.dtype).replace("torch.", "") for p in adapters})
@@ -308,11 +384,11 @@ def run(args, progress=None):
         targets = ",".join(sorted(cfg.target_modules)) if cfg is not None else "?"
         described += (f"; LoRA r={cfg.r if cfg is not None else '?'} on {targets}, adapters "
                       f"{'/'.join(kinds)}, dropout {cfg.lora_dropout if cfg is not None else 0}")
-    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    progress(f"estimating batch {batch} x {seq} tokens")
+    ids = torch.empty(batch, seq_rank, dtype=torch.long, device="meta")
+    progress(f"estimating batch {batch} x {seq_rank} tokens")
     attention = None if args.attention in ("auto", "eager") else args.attention
     est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
-    device, host, ranks = _hardware(args)
+    device, host, ranks = _hardware(args, job)
     # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
     host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
     margin = usable = None
@@ -322,10 +398,20 @@ def run(args, progress=None):
         if usable <= 0:
             raise _MarginError(f"the margin ({margin} bytes) leaves nothing of the device memory ({device} bytes); "
                              f"pass a smaller --margin")
+    row = None
+    if run_config is not None:
+        from .estimate import configuration_row
+
+        try:
+            row = configuration_row(est, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
     longest = {}
     if device is not None:
         progress("fitting the longest sequences")
-        longest = est.longest_fitting(usable, host_rank)
+        longest = est.longest_fitting(usable, host_rank, rows={"your run": row.modes} if row else None)
+        # Per rank under context parallelism: the whole sequence is cp times it, within the model's positions.
+        longest = {m: (s if s is None or cp == 1 else min(s * cp, est.max_seq or 1 << 62)) for m, s in longest.items()}
     modes = {}
     for m in MODES:
         peak, hb = est.peak_bytes[m], est.host_bytes[m]
@@ -334,6 +420,13 @@ def run(args, progress=None):
             fits = bool(peak <= usable and (host_rank is None or hb <= host_rank))
         modes[m] = dict(device_peak_bytes=int(peak), host_bytes_per_rank=int(hb), host_bytes_per_node=int(hb * ranks),
                         fits=fits, longest_seq=longest.get(m))
+    your_run = None
+    if row is not None:
+        fits = None if device is None else bool(row.peak_bytes <= usable and (host_rank is None or
+                                                                          row.host_bytes <= host_rank))
+        your_run = dict(configuration=row.label, source=source, device_peak_bytes=row.peak_bytes,
+                        host_bytes_per_rank=row.host_bytes, host_bytes_per_node=row.host_bytes * ranks, fits=fits,
+                        longest_seq=longest.get("your run"), blocks=_counts(row.modes))
     modes["plan"] = None
     static = est.parts["weights_bytes"] + est.parts["grads_bytes"] + est.parts["optimizer_bytes"] + \
         est.parts["in_flight_bytes"]
@@ -369,7 +462,7 @@ def run(args, progress=None):
     return {"model": name, "seq": seq, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "max_seq": est.max_seq, "sources": _sources(args),
-            "recipe": described, "selected_mode": selected, "why_nothing_fits": why,
+            "recipe": described, "your_run": your_run, "why_nothing_fits": why,
             "attention": est.attention, "modes": modes, "parts": est.parts,
             "optimizer_step_peak_bytes": est.step_peak_bytes}
 
@@ -400,6 +493,15 @@ def _runs(modes):
     return ", ".join(f"{k} x {m}" for k, m in out)
 
 
+def _counts(modes):
+    """"16 of 32 blocks checkpointed (blocks 0, 2, ...), 15 of them offloaded": an assignment in counts."""
+    ck = [i for i, m in enumerate(modes) if m != "none"]
+    off = sum(m == "checkpoint+offload" for m in modes)
+    where = ", ".join(map(str, ck[:3])) + (", ..." if len(ck) > 3 else "")
+    return (f"{len(ck)} of {len(modes)} blocks checkpointed" + (f" ({where})" if ck else "")
+            + f", {off} of them offloaded")
+
+
 def _gib(b):
     return "-" if b is None else f"{b / 2 ** 30:.2f}"
 
@@ -425,9 +527,15 @@ def format_report(r) -> str:
             continue
         fits = "?" if row["fits"] is None else "yes" if row["fits"] else "no"
         longest = "?" if row["longest_seq"] is None else str(row["longest_seq"])
-        mark = "  <- --training-args" if m == r.get("selected_mode") else ""
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
-                     f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}{mark}")
+                     f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>12}")
+    mine = r.get("your_run")
+    if mine is not None:
+        fits = "?" if mine["fits"] is None else "yes" if mine["fits"] else "no"
+        longest = "?" if mine["longest_seq"] is None else str(mine["longest_seq"])
+        lines.append(f"{'your run':<20} {_gib(mine['device_peak_bytes']):>10} {_gib(mine['host_bytes_per_rank']):>13} "
+                     f"{_gib(mine['host_bytes_per_node']):>13} {fits:>5} {longest:>12}")
+        lines.append(f"your run: {mine['configuration']} (from {mine['source']}): {mine['blocks']}")
     cap = r.get("max_seq")
     if cap and any(row is not None and row["longest_seq"] == cap for row in r["modes"].values()):
         lines.append(f"longest seq: at most the {cap} positions the model takes (its max_position_embeddings)")
@@ -518,7 +626,7 @@ def main(argv=None) -> int:
         return _fail(f"--config {args.config!r}: {e}")
     if args.json:
         out = {k: report[k] for k in ("model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes",
-                                      "recipe", "selected_mode", "why_nothing_fits")}
+                                      "recipe", "your_run", "why_nothing_fits")}
         out["modes"] = {m: (None if row is None else {k: row[k] for k in (
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}

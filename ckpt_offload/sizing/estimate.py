@@ -24,6 +24,7 @@ from .. import planner as _planner
 from . import recipe as _recipe
 from ..testing import LiveBytes
 from ..model import disable_checkpointing, enable_block_modes, find_repeated_blocks
+from ..selection import block_modes
 from ..training import training_mode
 
 MODES = ("none", "checkpoint", "checkpoint+offload", "every_n=2")
@@ -113,6 +114,7 @@ class _Attention:
         # square of the length (a sliding window's, a padded batch's), so the fit takes three lengths.
         self.masked = False
         self._original = None
+        self.autocast = None  # the _Autocast the step runs under, if any
 
     def __enter__(self):
         self._original = torch.nn.functional.scaled_dot_product_attention
@@ -123,6 +125,8 @@ class _Attention:
         torch.nn.functional.scaled_dot_product_attention = self._original
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self.autocast is not None:  # SDPA is on autocast's lower-precision list
+            query, key, value = (self.autocast.cast(t, self.autocast.dtype) for t in (query, key, value))
         q, k, v, mask = query, key, value, attn_mask
         backend = self.attention or default_attention(q.dtype, q.shape[-1], mask is not None)
         if backend == "flash" and mask is not None:
@@ -168,6 +172,74 @@ class _Dropout:
         if input.device.type != "meta" or not training or inplace or not 0.0 < p < 1.0:
             return self._original(input, p, training, inplace)
         return torch.native_dropout(input, p, True)[0]
+
+
+# torch's CUDA autocast lists (the amp docs' "CUDA Ops that can autocast to float16" / "to float32"), by
+# the functions through which models reach them: (module, name, dtype: None for the lower precision).
+_AUTOCAST_FUNCS = (
+    *((torch.nn.functional, n, None) for n in ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                                  "conv_transpose2d", "conv_transpose3d", "prelu", "bilinear")),
+    *((torch, n, None) for n in ("matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "mv", "einsum")),
+    *((torch.nn.functional, n, torch.float32) for n in ("layer_norm", "group_norm", "softmax", "log_softmax",
+                                                           "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div",
+                                                           "binary_cross_entropy_with_logits")),
+)
+
+
+class _Autocast:
+    """torch.autocast as it runs on a GPU, for a step on the meta device (which autocast skips): while
+    entered, the functions on autocast's lists (`_AUTOCAST_FUNCS`, replaced on their modules, where
+    models look them up at each call; SDPA through `_Attention`) get their floating-point arguments
+    cast to `dtype`, or to fp32 for those autocast runs in fp32, above autograd as autocast's dispatch
+    key is, so that autograd saves the casts as under autocast. Replaced on the modules, they also run
+    so in a checkpoint's recompute, which restores autocast's state. Casts of weights that take
+    gradients (leaves with requires_grad) are cached until `clear()`, as autocast keeps them until its
+    region ends (the forward and the loss); in the backward (a recompute) each region is one block and
+    they are not cached. `x @ w` (Tensor.__matmul__) is not reached."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.cache = {}
+        self._saved = []
+
+    def clear(self):
+        self.cache = {}
+
+    def cast(self, t, dtype):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype \
+                or t.dtype == torch.float64:
+            return t
+        if t.is_leaf and t.requires_grad and dtype == self.dtype:
+            from ..midpoints import _in_backward
+
+            if not _in_backward():
+                hit = self.cache.get(id(t))
+                if hit is None or hit[0] is not t:
+                    hit = self.cache[id(t)] = (t, t.to(dtype))
+                return hit[1]
+        return t.to(dtype)
+
+    def _wrap(self, original, dtype):
+        def run(*args, **kwargs):
+            if dtype is not None and kwargs.get("dtype") is not None:
+                return original(*args, **kwargs)
+            target = dtype or self.dtype
+            args = torch.utils._pytree.tree_map(lambda t: self.cast(t, target), args)
+            kwargs = torch.utils._pytree.tree_map(lambda t: self.cast(t, target), kwargs)
+            return original(*args, **kwargs)
+        return run
+
+    def __enter__(self):
+        for module, name, dtype in _AUTOCAST_FUNCS:
+            original = module.__dict__[name]
+            self._saved.append((module, name, original))
+            setattr(module, name, self._wrap(original, dtype))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved = []
 
 
 def _signature(block, position_kind=None):
@@ -354,13 +426,15 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None):
+def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
     "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
     logits bytes and the attention backends used."""
     n = len(blocks)
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
+    mixed = _Autocast(autocast) if autocast is not None else None
+    att.autocast = mixed
     probes, host, flops, logits = {}, None, None, [0]
 
     def loss_of(out):
@@ -371,10 +445,14 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None):
             logits[0] = logits_t.numel() * logits_t.element_size() + extra
         elif isinstance(out, torch.Tensor):
             logits[0] = out.numel() * out.element_size()
-        return loss_fn(out)
+        loss = loss_fn(out)
+        if mixed is not None:
+            mixed.clear()  # autocast's region (the forward and the loss) ends: its cache goes
+        return loss
 
     disable_checkpointing(model)
-    with training_mode(model), att, _Dropout(), head_loss or contextlib.nullcontext():
+    with training_mode(model), att, _Dropout(), head_loss or contextlib.nullcontext(), \
+            (mixed or contextlib.nullcontext()):
         for m in ("none", "checkpoint"):
             if m != "none":
                 enable_block_modes(model, [m] * n, layers=blocks)
@@ -450,7 +528,7 @@ class MemoryEstimate:
             "none": ["none"] * n,
             "checkpoint": ["checkpoint"] * n,
             "checkpoint+offload": ["checkpoint+offload"] * n,
-            "every_n=2": _planner.uniform_modes(n, 2, False),
+            "every_n=2": block_modes(n, 2, False),
         }
         # The forward and backward's peaks, which grow with the length (the step's does not).
         self.activation_peak_bytes = {m: self._activation_peak(v) for m, v in self.modes.items()}
@@ -473,6 +551,31 @@ class MemoryEstimate:
     def _activation_peak(self, modes) -> int:
         # The forward and backward's peak: the measured blocks' and the static parts beside them.
         return int(self.cost_model.peak(list(modes)) + self.extra_bytes)
+
+    def configuration(self, every_n_layers=1, offload=True, keep_last=1, policy=None, offload_all=False,
+                      checkpointing=True) -> ConfigurationRow:
+        """The row of one exact configuration: the block modes that `enable_checkpointing`,
+        `integrations.hf.enable`, `OffloadCallback`, `hf.install` and accelerate's FSDP2 offload assign for
+        these keywords (`selection.block_modes`, the function they assign them with), and that
+        assignment's peak and host bytes.
+
+        Args:
+            every_n_layers, offload, keep_last: as `enable_checkpointing` takes them (defaults its own).
+            policy: None; `"attention"` is refused (the estimate measures blocks checkpointed whole).
+            offload_all: every saved activation offloaded, as `offload_activations` and TRL's
+                `activation_offloading` do: refused (the estimate measures no block in that mode).
+            checkpointing: False for no block checkpointed (TrainingArguments'
+                `gradient_checkpointing=False`); the other keywords then say nothing.
+
+        Returns:
+            ConfigurationRow: `label` (which configuration, in words), `modes`, `peak_bytes`, `host_bytes`.
+
+        Raises:
+            ValueError: a configuration the estimate cannot size, or keywords no entry point takes
+                (keep_last past the checkpointed blocks), with the reason.
+        """
+        return configuration_row(self, every_n_layers=every_n_layers, offload=offload, keep_last=keep_last,
+                                 policy=policy, offload_all=offload_all, checkpointing=checkpointing)
 
     def plan(self, device_bytes: int, host_bytes=None):
         """The fastest per-block plan predicted to fit, from the estimate (no profiling).
@@ -555,7 +658,7 @@ class MemoryEstimate:
         return json.dumps(dict(seq=self.seq, batch=self.batch, attention=self.attention, peak_bytes=self.peak_bytes,
                                host_bytes=self.host_bytes, parts=self.parts, step_peak_bytes=self.step_peak_bytes))
 
-    def longest_fitting(self, device_bytes, host_bytes=None) -> dict:
+    def longest_fitting(self, device_bytes, host_bytes=None, rows=None) -> dict:
         """Per mode, the longest sequence that fits for this estimate's batch.
 
         Three estimates (this one, at half and at a quarter of its length) fit each mode's peak and
@@ -569,16 +672,20 @@ class MemoryEstimate:
         Args:
             device_bytes: the device memory a step may reach.
             host_bytes: the host memory the step's offloads may take (None: no cap).
+            rows: {name: one mode per block} of further assignments to fit (a configuration's
+                `ConfigurationRow.modes`), answered under their names too.
 
         Returns:
             dict[str, int | None]: per mode (and `"plan"`, the best per-block plan at each length),
                 the longest sequence, or 0 when not even length 1 fits; None where the inputs cannot
                 be resized (an estimate made without `estimate_memory`'s own inputs).
         """
+        assign = {**self.modes, **(rows or {})}
+        names = [*MODES, *(rows or {})]
         if self._resize is None or not self.seq:
-            return {m: None for m in MODES}
+            return {m: None for m in names}
         if self.step_peak_bytes > device_bytes:
-            return {m: 0 for m in MODES}  # the optimizer's step alone does not fit, at any length
+            return {m: 0 for m in names}  # the optimizer's step alone does not fit, at any length
         s0 = self.seq
         lengths = {s0, max(1, s0 // 2), max(1, s0 // 4)}
         if self.attention and "math" not in self.attention and not self._quadratic:
@@ -594,28 +701,85 @@ class MemoryEstimate:
             return _largest(lambda x: fit_peak(x) <= device_bytes and (host_bytes is None or fit_host(x) <= host_bytes),
                             limit=cap)
 
+        def act(e, m):
+            return e._activation_peak(assign[m])
+
+        def sent(e, m):
+            return e.cost_model.host_bytes(assign[m])
+
         def fits(m, x):
             if x not in ests:
                 ests[x] = self._resize(x)
             e = ests[x]
-            return e.peak_bytes[m] <= device_bytes and (host_bytes is None or e.host_bytes[m] <= host_bytes)
+            return e.peak_of(assign[m]) <= device_bytes and (host_bytes is None or sent(e, m) <= host_bytes)
 
         out = {}
-        for m in MODES:
-            s = within(_fit([(x, ests[x].activation_peak_bytes[m]) for x in lengths]),
-                       _fit([(x, ests[x].host_bytes[m]) for x in lengths]))
+        for m in names:
+            s = within(_fit([(x, act(ests[x], m)) for x in lengths]),
+                       _fit([(x, sent(ests[x], m)) for x in lengths]))
             if len(lengths) == 3:
                 # Quadratic terms: the peak is the largest of several phases' (the forward's, the
                 # backward's, the loss's), each a quadratic of its own, so a fit far from the lengths
                 # measured can miss. Estimates at the lengths the fit points to settle it.
                 out[m] = _settled(s, ests, lambda x, m=m: fits(m, x), lambda pts, m=m: within(
-                    _fit([(x, ests[x].activation_peak_bytes[m]) for x in pts]), _fit([(x, ests[x].host_bytes[m]) for x in pts])),
+                    _fit([(x, act(ests[x], m)) for x in pts]), _fit([(x, sent(ests[x], m)) for x in pts])),
                     cap)
                 continue
             out[m] = max(s, s0) if fits(m, s0) else min(s, s0 - 1)
         if self.max_seq:
             out = {m: min(s, self.max_seq) for m, s in out.items()}
         return out
+
+
+class ConfigurationRow:
+    """One configuration's row of an estimate: `label` (the configuration in words, e.g.
+    "every_n_layers=2, offload, keep_last=1"), `modes` (one per block), `peak_bytes` and `host_bytes`
+    (the bytes a step sends to the host)."""
+
+    def __init__(self, label, modes, peak_bytes, host_bytes):
+        self.label, self.modes = label, list(modes)
+        self.peak_bytes, self.host_bytes = int(peak_bytes), int(host_bytes)
+
+    def __repr__(self):
+        return (f"ConfigurationRow({self.label!r}, peak_bytes={self.peak_bytes}, host_bytes={self.host_bytes})")
+
+
+def configuration_label(every_n_layers=1, offload=True, keep_last=1, policy=None, offload_all=False,
+                        checkpointing=True) -> str:
+    """The configuration in words, as the rows name it: "every_n_layers=2, offload, keep_last=1"."""
+    if offload_all:
+        return "offload_all (every saved activation offloaded)"
+    if not checkpointing:
+        return "no checkpointing"
+    words = [f"every_n_layers={every_n_layers}", f"offload, keep_last={keep_last}" if offload else "no offload"]
+    if policy is not None:
+        words.append(f"policy={policy!r}")
+    return ", ".join(words)
+
+
+def configuration_row(estimate, *, every_n_layers=1, offload=True, keep_last=1, policy=None, offload_all=False,
+                      checkpointing=True, where="MemoryEstimate.configuration") -> ConfigurationRow:
+    """`MemoryEstimate.configuration`: the row of one exact configuration (see there); errors start with
+    `where`. estimate None: only checks that the configuration can be sized (the modes are not built)."""
+    from .._args import check_bool, check_int
+
+    check_int(where, "every_n_layers", every_n_layers, 1)
+    check_int(where, "keep_last", keep_last, 0)
+    check_bool(where, "offload", offload)
+    check_bool(where, "offload_all", offload_all)
+    check_bool(where, "checkpointing", checkpointing)
+    label = configuration_label(every_n_layers, offload, keep_last, policy, offload_all, checkpointing)
+    if offload_all:
+        raise ValueError(f"{where}: {label} is not sized: the estimate measures each block kept or "
+                         f"checkpointed whole, not with every tensor it saves on the host")
+    if policy is not None:
+        raise ValueError(f"{where}: policy={policy!r} is not sized: the estimate measures blocks checkpointed "
+                         f"whole, not with a selective-checkpointing policy's saved outputs")
+    if estimate is None:
+        return None
+    n = estimate.cost_model.n
+    modes = block_modes(n, every_n_layers, offload, keep_last, where=where) if checkpointing else ["none"] * n
+    return ConfigurationRow(label, modes, estimate.peak_of(modes), estimate.cost_model.host_bytes(modes))
 
 
 def _settled(guess, ests, fits, refit, cap, steps=12):
@@ -720,7 +884,10 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
         recipe: a `ckpt_offload.sizing.recipe.Recipe`: optimizer, precision, loss, gradients kept or freed,
             quantized base weights, sharding (default: `Recipe(optim=optimizer)`, transformers' loss,
             gradients kept, the weights in the model's dtype, one rank). Build the model in the dtype
-            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights.
+            the step computes in (`recipe.compute_dtype`); `recipe.dtype` counts the weights. For fp32
+            master weights under `recipe.autocast` without `recipe.shard`, build it in fp32: the step
+            then runs as autocast runs it on a GPU (sharded, FSDP's and DeepSpeed's mixed precision
+            gather the weights in the compute dtype: build it in that).
 
     Returns:
         MemoryEstimate: per mode the peak and host bytes, the parts, `table()`, `to_json()`,
@@ -814,6 +981,11 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     for p in trainable:
         if p.grad is None:
             p.grad = torch.empty_like(p)  # kept allocated, as in a steady-state step
+    # fp32 master weights under autocast, unsharded: the model built in fp32, the step run as autocast runs
+    # it. (Sharded, FSDP's and DeepSpeed's mixed precision gather the weights in the compute dtype, in
+    # which the model is then built.)
+    mixed = recipe.autocast if recipe.autocast is not None and recipe.shard is None \
+        and _floating_dtype(params) == torch.float32 else None
     head_loss = _recipe.loss_on_head(model, recipe)
     measured_inputs = _recipe.inputs_for(inputs, recipe)
     if recipe.loss != "transformers":
@@ -834,7 +1006,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
                 probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                          attention, head_loss)
+                                                                          attention, head_loss, mixed)
         except (IndexError, KeyError):
             if container is None:
                 raise
@@ -842,7 +1014,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
             probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                      attention, head_loss)
+                                                                      attention, head_loss, mixed)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -916,6 +1088,15 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=att.seen,
                           resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model),
                           recipe=recipe, step_peak_bytes=step_peak)
+
+
+def _floating_dtype(params):
+    """The dtype of most of the floating-point parameters' elements (the model's, as built)."""
+    count = {}
+    for p in params:
+        if p.is_floating_point():
+            count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get) if count else None
 
 
 def _max_positions(model):

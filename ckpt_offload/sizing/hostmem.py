@@ -194,7 +194,27 @@ def local_world_size() -> int:
     `SLURM_NTASKS_PER_NODE` and `SLURM_TASKS_PER_NODE` (lists such as "8(x2)" or "4,2" read at this
     node's `SLURM_NODEID`); 1 when none is set. Never `WORLD_SIZE`, which counts every node's ranks.
     budget="auto", set_capacity("auto") and the estimate command all read it here."""
-    for name in _RANK_VARS:
+    n = launcher_ranks(_RANK_VARS)
+    return 1 if n is None else n
+
+
+# The job's ranks on every node: torchrun, accelerate and DeepSpeed's launcher, Open MPI, MPICH / Intel
+# MPI, SLURM.
+_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def world_size():
+    """How many ranks the whole job has, from the launcher's variables: `WORLD_SIZE` (torchrun,
+    accelerate, DeepSpeed's launcher), `OMPI_COMM_WORLD_SIZE` (Open MPI), `PMI_SIZE` (MPICH, Intel
+    MPI), `SLURM_NTASKS`; None when none is set. The estimate command divides sharded parts by it."""
+    return launcher_ranks(_WORLD_VARS)
+
+
+def launcher_ranks(names):
+    """The first of these launcher variables that is set, as a rank count (SLURM's per-node lists read
+    at this node's `SLURM_NODEID`), or None when none is set. The one reader of ranks per node and of
+    the job's ranks."""
+    for name in names:
         value = os.environ.get(name, "").strip()
         if value == "":
             continue
@@ -209,7 +229,7 @@ def local_world_size() -> int:
         if n < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
         return n
-    return 1
+    return None
 
 
 def share_of(available, fraction: float, ranks: int):

@@ -87,15 +87,7 @@ def training_args(path, ranks=1) -> dict:
     if a.get("optim_args"):
         out.update(parse_optim_args(a["optim_args"]))
     if "gradient_checkpointing" in a:
-        kw = a.get("gradient_checkpointing_kwargs") or {}
-        if not a["gradient_checkpointing"]:
-            out["mode"] = "none"
-        elif kw.get("offload"):
-            out["mode"] = "checkpoint+offload"
-        elif int(kw.get("every_n_layers", 1) or 1) == 2:
-            out["mode"] = "every_n=2"
-        else:
-            out["mode"] = "checkpoint"
+        out["configuration"] = row_for_configuration(a)
     if a.get("use_liger_kernel"):
         out["loss"] = "fused"
     if "gradient_accumulation_steps" in a:
@@ -104,6 +96,17 @@ def training_args(path, ranks=1) -> dict:
     if shard:
         out["shard"] = shard
     return out
+
+
+def row_for_configuration(keywords) -> dict:
+    """The run's checkpointing, as the keywords of `MemoryEstimate.configuration` (the row sized for
+    it): transformers' `gradient_checkpointing` and its kwargs' `every_n_layers` and `offload`, run
+    through ckpt_offload (OffloadCallback, hf.install: keep_last=1). Off: checkpointing=False."""
+    if not keywords.get("gradient_checkpointing"):
+        return {"checkpointing": False}
+    kw = keywords.get("gradient_checkpointing_kwargs") or {}
+    return {"every_n_layers": int(kw.get("every_n_layers", 1) or 1), "offload": bool(kw.get("offload", False)),
+            "keep_last": 1}
 
 
 def peft_config(path) -> dict:
