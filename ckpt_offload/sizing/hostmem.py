@@ -183,10 +183,9 @@ def local_world_size() -> int:
     `SLURM_NTASKS_PER_NODE` and `SLURM_TASKS_PER_NODE` (lists such as "8(x2)" or "4,2" read at this
     node's `SLURM_NODEID`); 1 when none is set. Never `WORLD_SIZE`, which counts every node's ranks.
     budget="auto", set_capacity("auto") and the estimate command all read it here."""
-    for name in _RANK_VARS:
-        value = os.environ.get(name, "").strip()
-        if value == "":
-            continue
+    name = local_world_size_variable()
+    if name is not None:
+        value = os.environ[name].strip()
         if name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
             node = os.environ.get("SLURM_NODEID", "0").strip() or "0"
             n = _slurm_tasks_on_this_node(value, int(node) if node.isdigit() else 0)
@@ -199,6 +198,12 @@ def local_world_size() -> int:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
         return n
     return 1
+
+
+def local_world_size_variable():
+    """The launcher's variable local_world_size() reads (the first of them set, not empty), or None
+    when none is set and 1 is assumed."""
+    return next((name for name in _RANK_VARS if os.environ.get(name, "").strip() != ""), None)
 
 
 def share_of(available, fraction: float, ranks: int):
