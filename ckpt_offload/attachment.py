@@ -603,7 +603,10 @@ class Attachment:
 
     def state(self):
         """(checkpointed indices, offloaded indices), numbered as the entry point returned them. A
-        block whose last run kept a saved tensor on the device for its type is not offloaded."""
+        block is offloaded when its mode offloads and its session's engine can move what it saves:
+        not when its weights sit on a device the engine does not take (a CPU outside the test path,
+        before any step as after one), nor when its last run kept a saved tensor on the device for
+        its type."""
         checkpointed, offloaded = [], []
         for i in range(len(self.blocks)):
             mode = self.running_mode(i)
@@ -611,9 +614,19 @@ class Attachment:
                 checkpointed.append(self.numbering[i])
             if i in self.kept_blocks:
                 continue
-            if mode == "offload" or (mode.startswith("checkpoint+offload") and self.session is not None):
+            session = self.whole if mode == "offload" else self.session if mode.startswith("checkpoint+offload") else None
+            if session is not None and self._movable(i, session):
                 offloaded.append(self.numbering[i])
         return checkpointed, offloaded
+
+    def _movable(self, i, session) -> bool:
+        """Whether `session` moves what block i saves, read off the device of the block's weights (a
+        block without any: yes, its last run says otherwise through kept_blocks)."""
+        b = self.blocks[i]
+        first = next(b.parameters(), None)
+        if first is None:
+            first = next(b.buffers(), None)
+        return first is None or session.moves(first.device)
 
 
 def _new_format(model) -> bool:

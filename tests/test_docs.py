@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT_INFO = 'text title="Output"'
@@ -18,6 +19,9 @@ OUTPUT_INFO = 'text title="Output"'
 # the padding before it) is left out of the comparison; everything else must match.
 TIMED_OUTPUT_INFO = 'text title="Output (times vary)"'
 OUTPUTS = (OUTPUT_INFO, TIMED_OUTPUT_INFO)
+# What the block before prints on a CPU without the test path (no GPU, CKPT_OFFLOAD_TEST_CPU unset),
+# where it differs from the Output block before it: nothing is moved, and the page says so.
+PLAIN_CPU_INFO = 'text title="Output on a plain CPU"'
 ILLUSTRATIVE = "# illustrative"
 OPTIONAL = ("transformers", "accelerate", "peft", "trl")  # a page that imports one is skipped without it
 
@@ -60,11 +64,26 @@ def examples(page):
         if info in OUTPUTS:
             assert k > 0 and blocks[k - 1][0] == "python", f"{page}: an Output block must follow a python block"
             assert not blocks[k - 1][1].startswith(ILLUSTRATIVE), f"{page}: an Output block after an illustrative one"
+        if info == PLAIN_CPU_INFO:
+            assert k > 1 and blocks[k - 1][0] == OUTPUT_INFO, f"{page}: a plain-CPU Output block must follow an Output block"
         if info != "python" or body.startswith(ILLUSTRATIVE):
             continue
         follows = blocks[k + 1] if k + 1 < len(blocks) else None
         runs.append((body, follows if follows and follows[0] in OUTPUTS else None))
     return runs
+
+
+def plain_cpu_outputs(page):
+    """{index of a python block among examples(page): what a plain-CPU Output block shows for it}."""
+    with open(os.path.join(ROOT, page)) as f:
+        blocks = fences(f.read())
+    out, index = {}, -1
+    for k, (info, body) in enumerate(blocks):
+        if info == "python" and not body.startswith(ILLUSTRATIVE):
+            index += 1
+        elif info == PLAIN_CPU_INFO:
+            out[index] = body
+    return out
 
 
 def test_pages_have_examples():
@@ -86,13 +105,30 @@ def test_fence_parser_sees_output_blocks():
 
 @pytest.mark.parametrize("page", [p for p in pages() if examples(p)])
 def test_page_examples_run(page, tmp_path, monkeypatch):
+    # The CPU test path: CPU tensors go through the pool and the engine, so that what the examples
+    # print (bytes offloaded, layers offloaded) is what a GPU prints.
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
+    run_page(page, tmp_path, monkeypatch, {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a plain CPU's output: this machine has a GPU")
+@pytest.mark.parametrize("page", [p for p in pages() if plain_cpu_outputs(p)])
+def test_page_examples_on_a_plain_cpu(page, tmp_path, monkeypatch):
+    """The pages' plain-CPU Output blocks: the blocks run again without the test path (a new user's
+    CPU), and what each such block shows is what its code prints there."""
+    monkeypatch.delenv("CKPT_OFFLOAD_TEST_CPU", raising=False)
+    run_page(page, tmp_path, monkeypatch, plain_cpu_outputs(page))
+
+
+def run_page(page, tmp_path, monkeypatch, plain_cpu):
+    """Runs a page's blocks in order; compares what each prints with its Output block, or with its
+    plain-CPU Output block where `plain_cpu` ({block index: shown}) has one (and only those then)."""
     runs = examples(page)
     for name in OPTIONAL:
         if any(re.search(rf"^\s*(import|from) {name}\b", code, flags=re.M) for code, _ in runs):
             pytest.importorskip(name, reason=f"{name} is an optional dependency")
-    # The CPU test path: CPU tensors go through the pool and the engine, so that what the examples
-    # print (bytes offloaded, layers offloaded) is what a GPU prints.
-    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
+    if plain_cpu:
+        runs = [(code, (OUTPUT_INFO, plain_cpu[i]) if i in plain_cpu else None) for i, (code, _) in enumerate(runs)]
     monkeypatch.chdir(tmp_path)
     # A module registered in sys.modules, as a script's __main__ is: torch.compile (dynamo) looks up
     # the module of the code it compiles by name.
