@@ -19,6 +19,7 @@ from torch import nn
 from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
 from .compile import _current_callback, _eagerly, _under, compiled
 from .session import OffloadSession, Refused, Unmovable, _warn_subclass
+from ._args import warn_at_caller
 
 ATTR = "_ckpt_offload"  # on the owner (see owner_of): the Attachment
 SLOT = "_ckpt_offload_block"  # on a plain block: (Attachment, index)
@@ -317,6 +318,21 @@ def _eager_hooks():
 
 
 _COMPILED: dict = {}  # (forward function, compile options) -> the compiled function
+
+
+def offloaded_of(where, checkpointed, keep_last, offload, total, every_n_layers):
+    """The checkpointed blocks that offload: all but the last keep_last, or none without offload.
+    offload=True that offloads nothing (keep_last keeps every checkpointed block) is said in a
+    warning, whichever entry point configured the model."""
+    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    if offload and not offloaded:
+        warn_at_caller(
+            f"{where}: offload=True offloads nothing: keep_last={keep_last} keeps all "
+            f"{len(checkpointed)} checkpointed layer(s) of {total} (every_n_layers={every_n_layers}) on the "
+            "device. Lower keep_last or every_n_layers to offload; checkpointing_state() reports no offloaded layer.",
+            RuntimeWarning,
+        )
+    return offloaded
 
 
 class Attachment:

@@ -1,12 +1,10 @@
 """enable_checkpointing / disable_checkpointing: checkpoint (and offload) a model's repeated blocks."""
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
 from .attachment import MODES as BLOCK_MODES
-from .attachment import Attachment, base_class, find, gc_layer_class, owner_of
+from .attachment import Attachment, base_class, find, gc_layer_class, offloaded_of, owner_of
 from .compile import compile_options
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
@@ -126,15 +124,7 @@ def enable_checkpointing(
             f"enable_checkpointing: keep_last={keep_last} is larger than the {len(checkpointed)} checkpointed "
             f"layers; use 0..{len(checkpointed)}"
         )
-    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
-    if offload and not offloaded:
-        warnings.warn(
-            f"enable_checkpointing: offload=True offloads nothing: keep_last={keep_last} keeps all "
-            f"{len(checkpointed)} checkpointed layer(s) of {len(blocks)} (every_n_layers={every_n_layers}) on the "
-            "device. Lower keep_last or every_n_layers to offload; checkpointing_state() reports no offloaded layer.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    offloaded = offloaded_of("enable_checkpointing", checkpointed, keep_last, offload, len(blocks), every_n_layers)
     if isinstance(policy, dict) and numbering is not None:
         # Keys count as the returned indices do (into the repeated blocks): back to positions in blocks.
         position = {n: i for i, n in enumerate(numbering)}

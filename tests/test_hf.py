@@ -472,3 +472,22 @@ def test_callback_auto_refuses_a_transformed_dataset_with_its_own_message():
     with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*transform"):
         cb._longest(SimpleNamespace(), SimpleNamespace(dataset=doubled))
     assert cb._longest(SimpleNamespace(), SimpleNamespace(dataset=ids.with_format("torch"))) == 3
+
+
+def test_enable_that_offloads_nothing_says_so_as_enable_checkpointing_does():
+    """every_n_layers equal to the layer count checkpoints layer 0 alone, which keep_last=1 keeps on
+    the device: hf.enable warns as enable_checkpointing does, at the caller's line, and the state
+    reports no offloaded layer."""
+    model = tiny("llama")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert hf.enable(model, every_n_layers=LAYERS, offload=True) == [0]
+    (w,) = [r for r in records if "offloads nothing" in str(r.message)]
+    assert w.category is RuntimeWarning and str(w.message).startswith("hf.enable: offload=True offloads nothing")
+    assert w.filename == __file__
+    assert ckpt_offload.checkpointing_state(model) == ([0], [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.enable(model, every_n_layers=LAYERS // 2, offload=True)  # layers 0 and 3: layer 0 offloads
+    assert ckpt_offload.checkpointing_state(model) == ([0, 3], [0])
+    hf.disable(model)

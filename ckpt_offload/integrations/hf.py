@@ -26,7 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from ..sizing import budget as _budget
 from .. import policies
-from ..attachment import Attachment, owner_of
+from ..attachment import Attachment, offloaded_of, owner_of
 from .._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS
 from .._args import check_bool as _check_bool
 from .._args import check_keywords as _check_keywords
@@ -186,7 +186,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     disable_checkpointing(target)
     checkpointing_enable(target, {"use_reentrant": False, **checkpoint_kwargs}, every_n_layers=every_n_layers)
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
-    offloaded = checkpointed[: len(checkpointed) - keep_last] if offload else []
+    offloaded = offloaded_of("hf.enable", checkpointed, keep_last, offload, len(layers), every_n_layers)
     modes = ["none"] * len(layers)
     for i in checkpointed:
         modes[i] = "checkpoint+offload" if i in offloaded else "checkpoint"
