@@ -397,6 +397,25 @@ def test_install_refuses_unknown_checkpointing_keywords():
     assert hf.state(model) is None
 
 
+@pytest.mark.parametrize("key, match", [("ofload", "offload"), ("preserve_rng", "preserve_rng_state")])
+def test_install_refuses_a_misspelt_trainer_key_before_the_first_forward(tmp_path, key, match):
+    """hf.install() and no callback: a misspelt key in the TrainingArguments' checkpointing kwargs
+    (with it, "offload" is missing, so transformers takes its own offload=False path) is refused with
+    the close match when the Trainer turns checkpointing on, before any forward runs; not by torch's
+    checkpoint at the first forward."""
+    hf.install()
+    model = tiny("llama")
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    checkpointing = _own_keywords()
+    kwargs = next(v for k, v in checkpointing.items() if k.endswith("_kwargs"))
+    del kwargs["offload"]
+    kwargs[key] = True
+    with pytest.raises(TypeError, match=rf"under hf.install\(\): unexpected keyword '{key}'; did you mean '{match}'"):
+        _trainer_losses(tmp_path, [], checkpointing=checkpointing, model=model)
+    assert forwards == []
+
+
 def test_callback_refuses_unknown_training_argument_keywords(tmp_path):
     with pytest.raises(TypeError, match=r"OffloadCallback .*unexpected keyword 'evry_n_layers'; did you mean "
                                         r"'every_n_layers'"):

@@ -424,11 +424,17 @@ def install() -> None:
         offload = bound.arguments.get("offload", False)
         where = f"{type(self).__name__}.{name.lstrip('_')} under hf.install()"
         _check_bool(where, "offload", offload)
+        checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
+        # Checked on both paths, when checkpointing is turned on (a Trainer does it as train() starts):
+        # transformers would hand a misspelt key to torch's checkpoint, which refuses it only at the
+        # first forward. The Trainer takes every_n_layers and offload out of its kwargs first, so a
+        # near miss of those is named too.
+        _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS, own=("every_n_layers", "offload"),
+                        note=" (the keys of the TrainingArguments' checkpointing kwargs: every_n_layers, offload and "
+                             "these)")
         if not offload:
             disable_checkpointing(self)  # transformers' own checkpointing replaces ours: our hooks go
             return original(*bound.args, **bound.kwargs)
-        checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
-        _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS)
         _check_not_reentrant(where, checkpoint_kwargs.pop("use_reentrant", None))
         every_n_layers = bound.arguments.get("every_n_layers", 1)
         _check_int(where, "every_n_layers", every_n_layers, 1)
