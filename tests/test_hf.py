@@ -139,7 +139,7 @@ def test_enable_refuses_double_checkpointing_and_bad_arguments():
 
 def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=None):
     """Losses of a 3-step Trainer run; checkpointing: the TrainingArguments keywords (default
-    hf.checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
+    hf.install_checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -151,7 +151,7 @@ def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=No
             return {"input_ids": ids, "labels": ids}
 
     if checkpointing is None:
-        checkpointing = hf.checkpointing_args(every_n_layers=every_n, offload=True)
+        checkpointing = hf.install_checkpointing_args(every_n_layers=every_n, offload=True)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=3,
@@ -182,7 +182,7 @@ def test_trainer_same_losses_with_and_without_the_callback(tmp_path):
     assert ckpt_offload.stats()["bytes_offloaded"] == 0  # transformers' own save_on_cpu: not ours
     assert not hf.installed()
     per_step = 2 * (B * S * H * 4)  # layers 0, 2, 4 checkpointed; 0 and 2 offloaded, 4 kept
-    # checkpointing_args(offload=True) installs the routing: no callback needed.
+    # install_checkpointing_args(offload=True) installs the routing: no callback needed.
     plain, trainer = _trainer_losses(tmp_path / "b", [])
     assert hf.installed()
     assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 2, 4], [0, 2])
@@ -307,12 +307,12 @@ def test_arguments_are_checked_where_they_are_given():
     model = tiny("llama")
     with pytest.raises(TypeError, match="hf.enable: offload must be True or False, got 'yes'"):
         hf.enable(model, offload="yes")
-    with pytest.raises(TypeError, match="hf.checkpointing_args: offload must be True or False, got 'no'"):
-        hf.checkpointing_args(offload="no")
-    with pytest.raises(ValueError, match="hf.checkpointing_args: use_reentrant=True is not supported"):
-        hf.checkpointing_args(every_n_layers=2, offload=True, use_reentrant=True)
-    with pytest.raises(ValueError, match="hf.checkpointing_args: every_n_layers must be an int >= 1, got 0"):
-        hf.checkpointing_args(every_n_layers=0)
+    with pytest.raises(TypeError, match="hf.install_checkpointing_args: offload must be True or False, got 'no'"):
+        hf.install_checkpointing_args(offload="no")
+    with pytest.raises(ValueError, match="hf.install_checkpointing_args: use_reentrant=True is not supported"):
+        hf.install_checkpointing_args(every_n_layers=2, offload=True, use_reentrant=True)
+    with pytest.raises(ValueError, match="hf.install_checkpointing_args: every_n_layers must be an int >= 1, got 0"):
+        hf.install_checkpointing_args(every_n_layers=0)
     with pytest.raises(TypeError, match="hf.checkpointing_enable: offload must be True or False"):
         hf.checkpointing_enable(model, offload=1)
     with pytest.raises(TypeError, match="hf.enable: prefetch_bytes must be an int >= 1"):
@@ -320,7 +320,7 @@ def test_arguments_are_checked_where_they_are_given():
     with pytest.raises(TypeError, match="OffloadCallback: prefetch_bytes must be an int >= 1"):
         hf.OffloadCallback(prefetch_bytes="1G")
     assert not hf.installed()  # nothing was installed by the rejected calls
-    assert hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False)
+    assert hf.install_checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False)
     assert not hf.installed()
 
 
@@ -375,15 +375,15 @@ def test_unknown_keywords_are_refused_with_the_close_match():
     with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'example_input'; did you mean 'example_inputs'"):
         hf.enable(model, budget_bytes="auto", example_input=(batch(),))
     assert hf.state(model) is None and marked(model) == []  # the refused calls left the model as it was
-    with pytest.raises(TypeError, match=r"hf.checkpointing_args: unexpected keyword 'every_n'; did you mean 'every_n_layers'"):
-        hf.checkpointing_args(every_n=2)
+    with pytest.raises(TypeError, match=r"hf.install_checkpointing_args: unexpected keyword 'every_n'; did you mean 'every_n_layers'"):
+        hf.install_checkpointing_args(every_n=2)
     assert not hf.installed()
     # torch's checkpoint keywords still pass, and are used.
     assert hf.enable(model, every_n_layers=2, preserve_rng_state=False) == [0, 2, 4]
-    args = hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False, determinism_check="none")
+    args = hf.install_checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False, determinism_check="none")
     assert next(v for k, v in args.items() if k.endswith("_kwargs")) == {
         "every_n_layers": 2, "offload": False, "use_reentrant": False, "determinism_check": "none"}
-    for f in (hf.enable, hf.checkpointing_args):
+    for f in (hf.enable, hf.install_checkpointing_args):
         assert "preserve_rng_state" in f.__doc__ and "TypeError" in f.__doc__
 
 
@@ -510,3 +510,24 @@ def test_enable_that_offloads_nothing_says_so_as_enable_checkpointing_does():
         hf.enable(model, every_n_layers=LAYERS // 2, offload=True)  # layers 0 and 3: layer 0 offloads
     assert ckpt_offload.checkpointing_state(model) == ([0, 3], [0])
     hf.disable(model)
+
+
+def test_checkpointing_args_is_a_deprecated_alias_that_says_it_installs():
+    """install_checkpointing_args names its process-wide effect; the old name still works, warns
+    (FutureWarning, at the caller's line) and does the same: the keywords, and the install."""
+    assert not hf.installed()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        old = hf.checkpointing_args(every_n_layers=2, offload=True)
+    (w,) = [r for r in records if issubclass(r.category, FutureWarning)]
+    assert "hf.install_checkpointing_args" in str(w.message) and w.filename == __file__
+    assert hf.installed()
+    hf.uninstall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hf.install_checkpointing_args(every_n_layers=2, offload=True) == old
+    assert hf.installed()
+    hf.uninstall()
+    assert hf.install_checkpointing_args(offload=False)  # checkpointing only: nothing installed
+    assert not hf.installed()
+    assert "install()" in hf.install_checkpointing_args.__doc__.split("\n\n")[0]

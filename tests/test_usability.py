@@ -380,7 +380,7 @@ def test_offload_defaults_to_true_at_every_entry_point():
 
     from ckpt_offload.integrations import hf
 
-    for f in (ckpt_offload.checkpoint, ckpt_offload.enable_checkpointing, hf.enable, hf.checkpointing_args):
+    for f in (ckpt_offload.checkpoint, ckpt_offload.enable_checkpointing, hf.enable, hf.install_checkpointing_args):
         assert inspect.signature(f).parameters["offload"].default is True, f.__qualname__
         assert "offload" in (f.__doc__ or "") and "True by default" in f.__doc__, f.__qualname__
     model = make_model(layers=4)

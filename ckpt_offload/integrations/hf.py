@@ -33,6 +33,7 @@ from .._args import check_keywords as _check_keywords
 from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
+from .._args import warn_at_caller as _warn_at_caller
 from ..model import checkpointing_state, disable_checkpointing
 
 log = logging.getLogger("ckpt_offload")
@@ -75,32 +76,49 @@ def checkpointing_disable(model) -> None:
         model.gradient_checkpointing_disable()
 
 
-def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
-    """TrainingArguments keywords that turn checkpointing on, under this transformers' names:
-    transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True)).
+def install_checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
+    """Calls install() when offload=True (a process-wide change: transformers' own offload=True goes
+    through the async engine for every model and Trainer of this process, until uninstall()), and
+    returns the TrainingArguments keywords that turn checkpointing on, under this transformers' names:
+    transformers.TrainingArguments(..., **install_checkpointing_args(every_n_layers=2)).
 
     | argument | default | meaning |
     |---|---|---|
     | every_n_layers | 1 | transformers' layer selection: layer index % n == 0 |
-    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only |
+    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only, and nothing installed |
     | **checkpoint_kwargs | | only torch.utils.checkpoint.checkpoint's own options: use_reentrant (False or None), preserve_rng_state, context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks |
 
-    With offload=True this also calls install(), so that the Trainer's own offload=True goes
-    through the async engine with or without OffloadCallback (uninstall() undoes it).
+    With offload=True, the install is what makes the Trainer's own offload=True go through the engine
+    with or without OffloadCallback; with the callback, its settings (keep_last, prefetch) apply.
+    Without this call, the keywords alone would make transformers offload with its own save_on_cpu.
+    Its earlier name, checkpointing_args, remains as a deprecated alias that warns.
 
     Raises:
         TypeError: a keyword that is none of these (the message names the closest one); transformers
             would hand it to the decoder layers, which ignore it.
     """
-    _check_keywords("hf.checkpointing_args", checkpoint_kwargs, CHECKPOINT_KWARGS, own=checkpointing_args)
-    _check_int("hf.checkpointing_args", "every_n_layers", every_n_layers, 1)
-    _check_bool("hf.checkpointing_args", "offload", offload)
-    _check_not_reentrant("hf.checkpointing_args", checkpoint_kwargs.get("use_reentrant"))
+    where = "hf.install_checkpointing_args"
+    _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS, own=install_checkpointing_args)
+    _check_int(where, "every_n_layers", every_n_layers, 1)
+    _check_bool(where, "offload", offload)
+    _check_not_reentrant(where, checkpoint_kwargs.get("use_reentrant"))
     if offload:
         install()
     fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return {name: True, f"{name}_kwargs": {"every_n_layers": every_n_layers, "offload": offload, **checkpoint_kwargs}}
+
+
+def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
+    """Deprecated alias of install_checkpointing_args, whose name says that with offload=True it
+    also calls install() (a process-wide change), which this name hid. Warns (FutureWarning)."""
+    _warn_at_caller(
+        "hf.checkpointing_args is deprecated: use hf.install_checkpointing_args, the same call under a name that says "
+        "what it does (with offload=True it calls hf.install(), routing transformers' own offload=True through "
+        "the engine for the whole process)",
+        FutureWarning,
+    )
+    return install_checkpointing_args(every_n_layers, offload, **checkpoint_kwargs)
 
 
 def training_args_checkpointing(args):
@@ -261,8 +279,8 @@ class OffloadCallback(TrainerCallback):
     says so), unless ckpt_offload already configured the model (hf.enable before the Trainer),
     which is kept. offload is True unless those kwargs say "offload": False, as at every
     ckpt_offload entry point. keep_last / prefetch / prefetch_bytes are this callback's own.
-    Arguments from checkpointing_args(offload=True) offload through the engine without the callback
-    too (that call installs the routing, see install()); the callback adds its settings.
+    Arguments from install_checkpointing_args(offload=True) offload through the engine without the
+    callback too (that call installs the routing, see install()); the callback adds its settings.
 
     budget="auto": at the start of training, a mode per layer is planned instead
     (enable(budget_bytes="auto")) for the longest batch the run will see: `max_length` if given
