@@ -531,3 +531,33 @@ def test_checkpointing_args_is_a_deprecated_alias_that_says_it_installs():
     assert hf.install_checkpointing_args(offload=False)  # checkpointing only: nothing installed
     assert not hf.installed()
     assert "install()" in hf.install_checkpointing_args.__doc__.split("\n\n")[0]
+
+
+def test_callback_auto_shows_its_plan_and_what_it_replaced(tmp_path, monkeypatch, capsys):
+    """budget='auto' with room for everything: the plan checkpoints nothing, which replaces the
+    checkpointing the TrainingArguments turned on: a warning says so, the plan is printed where a
+    Trainer user sees it, and the profiling steps do not count in stats() (nothing is offloaded by
+    the run's steps, and stats() says none)."""
+    from ckpt_offload.sizing import budget
+
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(64 << 30))
+    callback = hf.OffloadCallback(budget="auto")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        _trainer_losses(tmp_path, [callback], checkpointing=_own_keywords(every_n=1))
+    assert callback.plan.modes == ["none"] * LAYERS
+    replaced = [r for r in records if "the plan replaces that" in str(r.message)]
+    assert len(replaced) == 1 and f"layers {list(range(LAYERS))}" in str(replaced[0].message)
+    assert replaced[0].filename == __file__  # the user's line (trainer.train()), not the Trainer's loop
+    out = capsys.readouterr().out
+    assert f"OffloadCallback(budget='auto'): planned for batch 2 x {S} tokens: blocks 0-{LAYERS - 1} none" in out
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 0 and s["bytes_offloaded"] == 0
+
+
+def test_callback_alone_prints_that_it_turned_checkpointing_on(tmp_path, capsys):
+    callback = hf.OffloadCallback(keep_last=1)
+    _, trainer = _trainer_losses(tmp_path, [callback], checkpointing={})
+    out = capsys.readouterr().out
+    assert "OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on" in out
+    assert f"checkpointed {list(range(LAYERS))}, offloaded {list(range(LAYERS - 1))}" in out

@@ -268,6 +268,14 @@ def _arrow_longest(dataset):
     return n if isinstance(n, int) and n > 0 else None
 
 
+def _notice(state, message):
+    """Something a Trainer user should see (a plan, a setting the callback made): printed on the main
+    process, as the Trainer prints its own logs, and logged at INFO on the "ckpt_offload" logger."""
+    log.info(message)
+    if state is None or getattr(state, "is_world_process_zero", True):
+        print(message, flush=True)
+
+
 class OffloadCallback(TrainerCallback):
     """Makes a Trainer run checkpoint and offload through the async engine; on its own it is enough.
 
@@ -275,8 +283,8 @@ class OffloadCallback(TrainerCallback):
     TrainingArguments' checkpointing kwargs (activation_checkpointing_kwargs, or
     gradient_checkpointing_kwargs before transformers' rename: every_n_layers, offload, torch's
     checkpoint options; any other key raises TypeError) when they turn checkpointing on; when they
-    do not, every layer is checkpointed and offloaded (one log line on the "ckpt_offload" logger
-    says so), unless ckpt_offload already configured the model (hf.enable before the Trainer),
+    do not, every layer is checkpointed and offloaded (a notice says so, printed on the main process
+    and logged at INFO on the "ckpt_offload" logger), unless ckpt_offload already configured the model (hf.enable before the Trainer),
     which is kept. offload is True unless those kwargs say "offload": False, as at every
     ckpt_offload entry point. keep_last / prefetch / prefetch_bytes are this callback's own.
     Arguments from install_checkpointing_args(offload=True) offload through the engine without the
@@ -286,7 +294,10 @@ class OffloadCallback(TrainerCallback):
     (enable(budget_bytes="auto")) for the longest batch the run will see: `max_length` if given
     here, else the training arguments' `max_length` / `max_seq_length` (TRL's configs), else the
     longest `input_ids` of the training dataset, at `per_device_train_batch_size`. The Trainer's
-    optimizer is counted before its first step allocates its states. The plan is `self.plan`.
+    optimizer is counted before its first step allocates its states. The plan is `self.plan`; its
+    summary is printed on the main process (and logged). Where the TrainingArguments turn
+    checkpointing on and the plan checkpoints other layers (or none), a warning says what it
+    replaced. The plan's profiling steps do not count in stats(), which starts again from zero.
     """
 
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None, *, budget=None, max_length=None):
@@ -335,7 +346,7 @@ class OffloadCallback(TrainerCallback):
         return ("OffloadCallback(budget='auto'): the longest batch of the run is unknown (no max_length here or in "
                 f"the training arguments, and {why}); pass OffloadCallback(budget='auto', max_length=N)")
 
-    def _enable_auto(self, args, model, kwargs):
+    def _enable_auto(self, args, state, model, kwargs):
         target = _transformers_model("OffloadCallback", model)
         seq = self._longest(args, kwargs.get("train_dataloader"))
         batch = args.per_device_train_batch_size
@@ -352,10 +363,22 @@ class OffloadCallback(TrainerCallback):
         self.plan = enable(model, budget_bytes="auto", example_inputs=(input_ids,), loss_fn=loss_fn,
                            optimizer=optimizer)
         self.checkpointed = [i for i, m in enumerate(self.plan.modes) if m.startswith("checkpoint")]
+        _notice(state, f"OffloadCallback(budget='auto'): planned for batch {batch} x {seq} tokens: {self.plan.summary()}")
+        on, gc_kwargs = training_args_checkpointing(args)
+        every_n_layers = gc_kwargs.get("every_n_layers", 1)
+        asked = list(range(0, len(self.plan.modes), every_n_layers)) if isinstance(every_n_layers, int) and every_n_layers > 0 else None
+        if on and asked != self.checkpointed:
+            # The plan replaces a setting the user made: said where a Trainer user sees it.
+            _warn_at_caller(
+                f"OffloadCallback(budget='auto'): the TrainingArguments turn checkpointing on (layers {asked}, "
+                f"every_n_layers={every_n_layers}); the plan replaces that: layers {self.checkpointed} checkpointed, "
+                f"offloaded {checkpointing_state(model)[1]} (leave budget out to keep the TrainingArguments' checkpointing)",
+                UserWarning,
+            )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.budget is not None:
-            self._enable_auto(args, model, kwargs)
+            self._enable_auto(args, state, model, kwargs)
             return
         on, gc_kwargs = training_args_checkpointing(args)
         where = "OffloadCallback (checkpointing kwargs of TrainingArguments)"
@@ -369,9 +392,9 @@ class OffloadCallback(TrainerCallback):
         if configured is not None:
             # hf.enable (or a plan) configured the model before the Trainer: that configuration stands.
             self.checkpointed = configured[0]
-            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
-                     "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)",
-                     *configured)
+            _notice(state, "OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
+                           "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)"
+                           % configured)
             return
         if not offload:
             warnings.warn(
@@ -388,10 +411,12 @@ class OffloadCallback(TrainerCallback):
             **gc_kwargs,
         )
         if not on:
-            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on "
-                     "(hf.enable): every_n_layers=%d (%d layers checkpointed), offload=%s, keep_last=%d",
-                     every_n_layers, len(self.checkpointed), offload,
-                     min(self.keep_last, len(self.checkpointed)) if offload else 0)
+            _notice(state, "OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on "
+                           "(hf.enable): every_n_layers=%d (%d layers checkpointed), offload=%s, keep_last=%d; "
+                           "checkpointed %s, offloaded %s"
+                           % (every_n_layers, len(self.checkpointed), offload,
+                              min(self.keep_last, len(self.checkpointed)) if offload else 0,
+                              *checkpointing_state(model)))
 
     @staticmethod
     def _count(model, every_n_layers):
