@@ -106,7 +106,9 @@ def main(argv=None):
     net = model(len(tok), a.layers)
     callbacks = [report := StepReport()]
     net.register_forward_pre_hook(report.see, with_kwargs=True)
-    gc_args = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    # transformers' own checkpointing, under the names of the installed release (activation_checkpointing
+    # since 5.2x renamed it, gradient_checkpointing before); offload=False installs nothing.
+    gc_args = hf.install_checkpointing_args(offload=False, use_reentrant=False)
     if a.no_offload:
         pass
     elif a.route == "enable":

@@ -172,3 +172,88 @@ def test_readme_links_resolve():
             with open(target) as f:
                 anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", f.read(), flags=re.M)}
             assert anchor in anchors, f"README.md links to {link}: no heading with that anchor"
+
+
+# Pages with an "| argument | default | meaning |" table, and the function whose parameters it lists.
+ARGUMENT_TABLES = {"docs/quickstart.md": "ckpt_offload.enable_checkpointing"}
+TABLE_HEADER = "| argument | default | meaning |"
+
+
+def argument_rows(text):
+    """[(argument names, default cell)] of the argument table in `text` (a page or a docstring)."""
+    lines = [line.strip() for line in text.splitlines()]
+    start = lines.index(TABLE_HEADER) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        names, default = [c.strip().replace("`", "") for c in line.strip("|").split("|")][:2]
+        rows.append((names, default))
+    return rows
+
+
+def documented_defaults(function, text):
+    """[(parameter, shown default, signature default)] of each row with a default: a cell that is a
+    Python literal must be the signature's default; one in words describes a default of None."""
+    import ast
+    import inspect
+
+    params = inspect.signature(function).parameters
+    out = []
+    for names, default in argument_rows(text):
+        if names.startswith("**"):
+            continue
+        shown = [d.strip() for d in default.split(",")] if "," in names else [default]
+        for name, cell in zip([n.strip() for n in names.split(",")], shown):
+            assert name in params, f"{function.__qualname__}: the table lists {name!r}, which is not a parameter"
+            try:
+                value = ast.literal_eval(cell)
+            except (ValueError, SyntaxError):
+                value = None  # "all repeated blocks": what None stands for
+            out.append((name, cell, params[name].default, value))
+    return out
+
+
+def test_argument_tables_show_the_signatures_defaults():
+    """The defaults that the docs' and docstrings' argument tables show are the functions' own:
+    docs/quickstart.md once said enable_checkpointing's offload defaulted to False (it is True)."""
+    import importlib
+
+    import ckpt_offload
+    from ckpt_offload.integrations import hf
+
+    with_tables = [p for p in pages() if not p.startswith("docs/reference/")
+                   and TABLE_HEADER in open(os.path.join(ROOT, p)).read()]
+    assert sorted(with_tables) == sorted(ARGUMENT_TABLES), "a page with an argument table: add it to ARGUMENT_TABLES"
+    checked = []
+    for page, name in ARGUMENT_TABLES.items():
+        module, _, attr = name.rpartition(".")
+        function = getattr(importlib.import_module(module), attr)
+        with open(os.path.join(ROOT, page)) as f:
+            checked += [(page, *row) for row in documented_defaults(function, f.read())]
+    for module in (ckpt_offload, hf):
+        for attr in dir(module):
+            function = getattr(module, attr)
+            if callable(function) and TABLE_HEADER in (getattr(function, "__doc__", None) or ""):
+                checked += [(f"{module.__name__}.{attr}", *row) for row in documented_defaults(function, function.__doc__)]
+    assert any(where == "docs/quickstart.md" and name == "offload" for where, name, *_ in checked)
+    wrong = [f"{where}: {name} shown as {cell}, the signature's default is {default!r}"
+             for where, name, cell, default, value in checked if value != default or type(value) is not type(default)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_examples_use_the_newest_checkpointing_names():
+    """transformers 5.25 warns (FutureWarning) for gradient_checkpointing[_kwargs] in TrainingArguments,
+    renamed activation_checkpointing[_kwargs]; 5.17, the floor, has only the old names. The examples
+    and the docs' code take the names from hf.install_checkpointing_args (the installed release's),
+    and never spell the old ones as arguments or keys."""
+    old = re.compile(r"""\bgradient_checkpointing(_kwargs)?\s*=(?!=)|["']gradient_checkpointing(_kwargs)?["']\s*:""")
+    sources = {p: "".join(code for code, _ in examples(p)) for p in pages()}
+    for path in glob.glob(os.path.join(ROOT, "examples", "*.py")):
+        with open(path) as f:
+            sources[os.path.relpath(path, ROOT)] = f.read()
+    for page in pages():  # illustrative blocks too: a reader copies them
+        with open(os.path.join(ROOT, page)) as f:
+            sources[page + " (all blocks)"] = "".join(body for info, body in fences(f.read()) if info == "python")
+    found = [f"{where}: {m.group(0)}" for where, text in sources.items() for m in old.finditer(text)]
+    assert not found, found
