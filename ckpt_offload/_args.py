@@ -5,6 +5,7 @@ import inspect
 import os
 import re
 import sys
+import warnings
 
 # The keywords torch.utils.checkpoint.checkpoint consumes itself (use_reentrant aside, which every
 # entry point takes by name): what an entry point that forwards keywords to it accepts.
@@ -35,6 +36,34 @@ def check_keywords(where, given, known, own=(), note=""):
         hint = f"; did you mean {close[0]!r}?" if close else ""
         accepted = f" It accepts {', '.join(known)} besides its named parameters." if known else ""
         raise TypeError(f"{where}: unexpected keyword {name!r}{hint}{accepted}{note}")
+
+
+# The libraries between a user's line and a warning said deep in a step: a warning names the first
+# frame outside them (the user's call), not torch's checkpoint.py or a Trainer's loop.
+_LIBRARIES = ("ckpt_offload", "torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "diffusers")
+
+
+def _library_dirs():
+    dirs = []
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
+def warn_at_caller(message, category=UserWarning):
+    """warnings.warn(message, category) attributed to the first frame outside ckpt_offload, torch and
+    the training libraries that call into it: the user's own line (the outermost frame when every
+    frame is theirs)."""
+    dirs = _library_dirs()
+    frame = sys._getframe(1)
+    level = 2  # 1 would be this function, 2 its caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def command_name():

@@ -19,6 +19,7 @@ from torch import nn
 from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
 from .compile import _current_callback, _eagerly, _under, compiled
 from .session import OffloadSession, Refused, Unmovable, _warn_subclass
+from ._args import warn_at_caller
 
 ATTR = "_ckpt_offload"  # on the owner (see owner_of): the Attachment
 SLOT = "_ckpt_offload_block"  # on a plain block: (Attachment, index)
@@ -319,6 +320,22 @@ def _eager_hooks():
 _COMPILED: dict = {}  # (forward function, compile options) -> the compiled function
 
 
+def offloaded_of(where, modes, offload, keep_last, every_n_layers):
+    """The blocks that offload under `modes` (as selection.block_modes assigned them). offload=True
+    that offloads nothing (keep_last keeps every checkpointed block) is said in a warning at the
+    caller's line, whichever entry point configured the model."""
+    offloaded = [i for i, m in enumerate(modes) if m == "checkpoint+offload"]
+    if offload and not offloaded:
+        checkpointed = sum(m != "none" for m in modes)
+        warn_at_caller(
+            f"{where}: offload=True offloads nothing: keep_last={keep_last} keeps all "
+            f"{checkpointed} checkpointed layer(s) of {len(modes)} (every_n_layers={every_n_layers}) on the "
+            "device. Lower keep_last or every_n_layers to offload; checkpointing_state() reports no offloaded layer.",
+            RuntimeWarning,
+        )
+    return offloaded
+
+
 class Attachment:
     """One model's configuration: blocks[i] runs modes[i] (see MODES); sessions and hooks follow.
 
@@ -603,7 +620,10 @@ class Attachment:
 
     def state(self):
         """(checkpointed indices, offloaded indices), numbered as the entry point returned them. A
-        block whose last run kept a saved tensor on the device for its type is not offloaded."""
+        block is offloaded when its mode offloads and its session's engine can move what it saves:
+        not when its weights sit on a device the engine does not take (a CPU outside the test path,
+        before any step as after one), nor when its last run kept a saved tensor on the device for
+        its type."""
         checkpointed, offloaded = [], []
         for i in range(len(self.blocks)):
             mode = self.running_mode(i)
@@ -611,9 +631,19 @@ class Attachment:
                 checkpointed.append(self.numbering[i])
             if i in self.kept_blocks:
                 continue
-            if mode == "offload" or (mode.startswith("checkpoint+offload") and self.session is not None):
+            session = self.whole if mode == "offload" else self.session if mode.startswith("checkpoint+offload") else None
+            if session is not None and self._movable(i, session):
                 offloaded.append(self.numbering[i])
         return checkpointed, offloaded
+
+    def _movable(self, i, session) -> bool:
+        """Whether `session` moves what block i saves, read off the device of the block's weights (a
+        block without any: yes, its last run says otherwise through kept_blocks)."""
+        b = self.blocks[i]
+        first = next(b.parameters(), None)
+        if first is None:
+            first = next(b.buffers(), None)
+        return first is None or session.moves(first.device)
 
 
 def _new_format(model) -> bool:

@@ -171,7 +171,7 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     | offload | True | True by default, as at every ckpt_offload entry point; False: torch's checkpoint as it is |
     | use_reentrant | None | None or False only (non-reentrant) |
     | session | None | an OffloadSession; None: one shared by every call |
-    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch, except a near miss of an option (offlaod=) that the function does not name: TypeError; without a function, any other raises TypeError |
+    | **kwargs | | torch's checkpoint options (preserve_rng_state, context_fn, ...); with a function, the others are the function's, as in torch (by name or through its **kwargs), except a near miss of an option (offlaod=, context=) that the function cannot take: TypeError naming the option; without a function, any other raises TypeError |
 
     With offload=True the tensors the checkpoint keeps, its positional tensor inputs, are copied
     asynchronously to pinned host memory and prefetched back in backward; gradients are bitwise
@@ -214,20 +214,24 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
 
 def check_near_misses(function, kwargs) -> None:
     """Keywords that are not checkpoint options go to the function, as torch's checkpoint passes
-    them; one that nearly matches checkpoint's own names (offlaod=, preserve_rng=) and that the
-    function does not name is refused: a function with **kwargs (a decoder layer) would take it and
-    ignore it, and offload or the RNG would not be what the caller wrote."""
+    them: one the function takes, by name or through its **kwargs, goes through as torch sends it.
+    One the function cannot take and that nearly matches checkpoint's own names (offlaod=,
+    preserve_rng=, context=) is refused with the match, before anything runs: torch would hand it to
+    the function, which would raise for a keyword it does not know."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read: the function's own business
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
     for name in kwargs:
         if name in _CHECKPOINT_KEYS or not difflib.get_close_matches(name, _OWN_NAMES, n=1, cutoff=0.8):
             continue
-        try:
-            parameter = inspect.signature(function).parameters.get(name)
-        except (TypeError, ValueError):  # no signature to read: the function's own business
-            continue
-        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        parameter = parameters.get(name)
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.POSITIONAL_ONLY):
             _check_keywords("ckpt_offload.checkpoint", [name], (), own=_OWN_NAMES,
-                            note=" (other keywords go to the function, but it does not name this one, a near miss "
-                                 "of a checkpoint option)")
+                            note=" (other keywords go to the function, but it takes no such keyword: it is "
+                                 "not one of its parameters and it has no **kwargs)")
 
 
 def _forward_of(args):

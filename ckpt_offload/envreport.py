@@ -123,6 +123,7 @@ def _host(core, cuda):
     }
     try:
         out["local_world_size"] = hostmem.local_world_size()
+        out["local_world_size_from"] = hostmem.local_world_size_variable()  # None: unset, 1 assumed
     except ValueError as err:
         out["local_world_size"] = _error(err)
     if core is not None:
@@ -275,7 +276,7 @@ def format_text(r: dict) -> str:
         f"NUMA nodes:          {h['numa_nodes'] if h['numa_nodes'] is not None else 'unknown'}",
         f"pool NUMA placement: {_placement(h['numa_placement'])}",
         f"pinning limits:      {_limits(h['pinning'])}",
-        f"LOCAL_WORLD_SIZE:    {h['local_world_size']}",
+        f"LOCAL_WORLD_SIZE:    {_ranks_per_node(h)}",
         f"pinned in use:       {h['pinned_in_use_bytes'] if h['pinned_in_use_bytes'] is not None else 'n/a'} bytes"
         f" (cap: {h['capacity_bytes'] or 'none'}; spill dir: {h['spill_dir'] or 'none'})",
         "packages:            " + ", ".join(f"{k} {v or '-'}" for k, v in r["packages"].items()),
@@ -290,6 +291,14 @@ def format_text(r: dict) -> str:
             lines.append(f"bandwidth probe:     GPU {p['device']}, pinned, {PROBE_SECONDS:g} s a direction: "
                          f"D2H {p['d2h_gb_per_s']} GB/s{of('d2h_of_nominal')}, H2D {p['h2d_gb_per_s']} GB/s{of('h2d_of_nominal')}")
     return "\n".join(lines)
+
+
+def _ranks_per_node(h):
+    """The ranks per node as the launcher set them (and which variable), or "unset" with what is assumed."""
+    source = h.get("local_world_size_from")
+    if source is None and isinstance(h["local_world_size"], int):
+        return "unset (no launcher variable says how many ranks share this node: 1 assumed)"
+    return f"{h['local_world_size']}" + (f" (from {source})" if source else "")
 
 
 def main(argv=None) -> int:

@@ -1,12 +1,10 @@
 """enable_checkpointing / disable_checkpointing: checkpoint (and offload) a model's repeated blocks."""
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
 from .attachment import MODES as BLOCK_MODES
-from .attachment import Attachment, base_class, find, gc_layer_class, owner_of
+from .attachment import Attachment, base_class, find, gc_layer_class, offloaded_of, owner_of
 from .compile import compile_options
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
@@ -123,15 +121,7 @@ def enable_checkpointing(
 
     modes = block_modes(len(blocks), every_n_layers, offload, keep_last)
     checkpointed = [i for i, m in enumerate(modes) if m != "none"]
-    offloaded = [i for i, m in enumerate(modes) if m == "checkpoint+offload"]
-    if offload and not offloaded:
-        warnings.warn(
-            f"enable_checkpointing: offload=True offloads nothing: keep_last={keep_last} keeps all "
-            f"{len(checkpointed)} checkpointed layer(s) of {len(blocks)} (every_n_layers={every_n_layers}) on the "
-            "device. Lower keep_last or every_n_layers to offload; checkpointing_state() reports no offloaded layer.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    offloaded = offloaded_of("enable_checkpointing", modes, offload, keep_last, every_n_layers)
     if isinstance(policy, dict) and numbering is not None:
         # Keys count as the returned indices do (into the repeated blocks): back to positions in blocks.
         position = {n: i for i, n in enumerate(numbering)}

@@ -322,7 +322,8 @@ def uniform_configs(n):
 def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -> CostModel:
     """Measures the CostModel of `model` on `example_inputs`: two steps per mode (a warm-up, then one
     with marks at every block boundary), in training mode (each module's mode is restored after).
-    Leaves every parameter's .grad allocated and zeroed."""
+    Leaves every parameter's .grad allocated and zeroed, and stats() reset: the profiling steps do
+    not count in what the run's steps report."""
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(
@@ -363,6 +364,10 @@ def profile(model, example_inputs, *, loss_fn=None, modes=None, verbose=False) -
             finally:
                 disable_checkpointing(model)
     model.zero_grad(set_to_none=False)
+    # The profiling steps are not the run's: stats() starts again from zero, so that what a step
+    # reports afterwards is that step's (the profiling had already reset it once per mode).
+    _engine.synchronize()
+    _engine.reset_stats()
     return _compose(probes, timed or probes, n, rates, device)
 
 
@@ -602,6 +607,20 @@ class MemoryPlan:
                 raise ValueError(f"MemoryPlan.from_json: modes[{i}] is {m!r}; expected one of {BLOCK_MODES}")
         return cls(d["modes"], d["predicted_peak_bytes"], d["predicted_step_ms"], d["predicted_host_bytes"],
                    d.get("budget_bytes"), d.get("rows"), smallest_peak_bytes=d.get("smallest_peak_bytes"))
+
+    def summary(self) -> str:
+        """One line for a person: the blocks of each mode (runs of indices), the predicted peak and
+        host bytes, and for budget='auto' the figures the budget was read from."""
+        runs, start = [], 0
+        for i in range(1, len(self.modes) + 1):
+            if i == len(self.modes) or self.modes[i] != self.modes[start]:
+                span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+                runs.append(f"{span} {self.modes[start]}")
+                start = i
+        gib = 2**30
+        text = (f"blocks {', '.join(runs)}; predicted peak {self.predicted_peak_bytes / gib:.3f} GiB, "
+                f"host {self.predicted_host_bytes / gib:.3f} GiB")
+        return text + (f" ({self.auto.describe()})" if self.auto is not None else "")
 
     def __repr__(self):
         return (f"MemoryPlan(modes={self.modes}, predicted_peak_bytes={self.predicted_peak_bytes}, "

@@ -9,7 +9,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 import weakref
 
 import torch
@@ -19,6 +18,7 @@ from . import engine as _engine
 from ._args import check_bool as _check_bool
 from ._args import check_int as _check_int
 from ._args import check_prefetch as _check_prefetch
+from ._args import warn_at_caller as _warn_at_caller
 
 _TEST_CPU_ENV = "CKPT_OFFLOAD_TEST_CPU"
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -167,6 +167,13 @@ class OffloadSession:
     # and started from the middle of that backward, not from its start.
     defer_prefetch = property(lambda self: self._core.defer, lambda self, v: setattr(self._core, "defer", v))
     midpoint_misses = property(lambda self: self._core.misses)
+
+    def moves(self, device) -> bool:
+        """Whether the engine takes a saved tensor on `device` (a torch.device or its type): a CUDA
+        tensor; a CPU tensor only on the test path (CKPT_OFFLOAD_TEST_CPU=1, as this session was made).
+        The pack hook's rule (csrc/session_core.cpp, and _pack_subclass here), asked before anything runs."""
+        kind = device if isinstance(device, str) else device.type
+        return kind == "cuda" or (kind == "cpu" and self.test_cpu)
 
     # -- copies --------------------------------------------------------------------------------
     def __getstate__(self):
@@ -372,7 +379,7 @@ def _warn_refused(eng, session=None):
                      f"(stats()['host_alloc_failures']). {hostmem.pinning_advice()}")
         available = eng.pool.node_available()  # -1: the node guard is off, or reads nothing
         node = f"{available} bytes available on the node" if available >= 0 else "node guard off, the node's memory not read"
-        warnings.warn(
+        _warn_at_caller(
             "ckpt_offload: the host pool refused a block (capacity cap "
             f"{s['capacity_bytes']} bytes, {s['reserved_bytes']} reserved, {s['alloc_failures']} failed host "
             f"allocations, {s['node_refusals']} refused for the node's memory, {node}); "
@@ -380,7 +387,6 @@ def _warn_refused(eng, session=None):
             "checkpointing_state() does not count a layer as offloaded while it happens. This warning is shown "
             "once; ckpt_offload.stats()['tensors_kept_on_device'] counts them.",
             RuntimeWarning,
-            stacklevel=3,
         )
 
 
@@ -406,13 +412,12 @@ def _warn_unmovable(device, on_cpu, session=None):
                    f"under {_TEST_CPU_ENV}=1, a testing aid), so nothing is offloaded on a machine without a GPU")
         else:
             why = "the engine takes dense tensors, not a lazy conjugate or negative view"
-        warnings.warn(
+        _warn_at_caller(
             f"ckpt_offload: a saved tensor that offloading would move stays on {device}: {why}. Gradients are "
             "unaffected; the memory is not saved. checkpointing_state() does not count a layer as offloaded "
             "while it happens. This warning is shown once; ckpt_offload.stats()['unmovable_tensors_kept'] "
             "counts such tensors.",
             RuntimeWarning,
-            stacklevel=3,
         )
 
 
@@ -473,8 +478,7 @@ def _pack_subclass(hook, t, owner):
         return hook(t.trigger_wait())
     if hook is session.pack_kept or isinstance(t, _traced_types()):
         return None  # kept anyway, or a tracer's tensor (no data)
-    device = t.device.type
-    if not (device == "cuda" or (device == "cpu" and session.test_cpu)) or t.numel() * t.element_size() < session.min_bytes:
+    if not session.moves(t.device) or t.numel() * t.element_size() < session.min_bytes:
         return None
     if session._track_modules and t.is_leaf and t.requires_grad:
         return None
@@ -510,12 +514,11 @@ _subclass_warned: set = set()  # the types warned of by sessions outside an Atta
 def _warn_subclass(cls, layer):
     """A saved tensor of this subclass stays on the device (the callers say it once per layer and type)."""
     where = f"layer {layer}" if layer is not None else "a saved tensor"
-    warnings.warn(
+    _warn_at_caller(
         f"ckpt_offload: {where}: a tensor of type {cls.__module__}.{cls.__qualname__} stays on the device: "
         "the engine takes plain tensors and DTensors (their local shard), not other tensor subclasses. "
         + ("checkpointing_state() does not count this layer as offloaded while it happens. " if layer is not None else "")
         + "Gradients are unaffected. stats()['subclass_tensors_kept'] counts such tensors; shown once per "
         + ("layer and type." if layer is not None else "type."),
         RuntimeWarning,
-        stacklevel=3,
     )

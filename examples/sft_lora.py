@@ -8,7 +8,7 @@ through the pool and the engine as a GPU's would go.
 
 --route picks how ckpt_offload is turned on: "enable" (hf.enable on the model before the trainer,
 which keeps it when SFTTrainer turns transformers' checkpointing on again), "callback"
-(hf.OffloadCallback with hf.checkpointing_args(offload=True)) or "install" (hf.install(): the
+(hf.OffloadCallback with hf.install_checkpointing_args(offload=True)) or "install" (hf.install(): the
 trainer's own offload=True through the engine). --no-offload runs the same training with
 transformers' own checkpointing, for comparison.
 """
@@ -106,18 +106,20 @@ def main(argv=None):
     net = model(len(tok), a.layers)
     callbacks = [report := StepReport()]
     net.register_forward_pre_hook(report.see, with_kwargs=True)
-    gc_args = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    # transformers' own checkpointing, under the names of the installed release (activation_checkpointing
+    # since 5.2x renamed it, gradient_checkpointing before); offload=False installs nothing.
+    gc_args = hf.install_checkpointing_args(offload=False, use_reentrant=False)
     if a.no_offload:
         pass
     elif a.route == "enable":
         hf.enable(net, offload=True, keep_last=1)
     elif a.route == "callback":
-        gc_args = hf.checkpointing_args(offload=True)
-        hf.uninstall()  # the callback alone, without the routing checkpointing_args installs
+        gc_args = hf.install_checkpointing_args(offload=True)
+        hf.uninstall()  # the callback alone, without the routing install_checkpointing_args installs
         callbacks.append(hf.OffloadCallback(keep_last=1))
     else:
         hf.install()
-        gc_args = hf.checkpointing_args(offload=True)
+        gc_args = hf.install_checkpointing_args(offload=True)
     config = SFTConfig(output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-3,
                        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                        dataloader_num_workers=0, max_length=64, **gc_args)

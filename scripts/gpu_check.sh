@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, torch preinstalled and no network, builds the
-# extension, runs the GPU tests and both benchmarks, and prints a summary table last. Every stage
-# runs under `timeout`; the stage limits add up to TOTAL_S (default 480 s, 8 minutes), 60 s of them
+# extension, runs the GPU tests (once more under torch's CUDA stream sanitizer) and both benchmarks,
+# and prints a summary table last. Every stage runs under `timeout`; the stage limits add up to
+# TOTAL_S (default 555 s, about 9 minutes), 75 s of them for the sanitized tests, 60 s
 # for the step benchmark with every block compiled, 50 s for the --budget run, 13 s for the disk tier's
 # step, 25 s for the host-overhead run.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 # Environment: PYTHON (python3), LAYERS (8, at least 8 for the standard run), SEQS (4096,8192),
-#              TOTAL_S (480), MAX_JOBS (nproc).
+#              TOTAL_S (555), MAX_JOBS (nproc).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -21,7 +22,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-8}
 SEQS=${SEQS:-4096,8192}
-TOTAL_S=${TOTAL_S:-480}
+TOTAL_S=${TOTAL_S:-555}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # Scripts run as `python benchmarks/x.py` see benchmarks/ first on sys.path; the repository root
 # makes an in-place build importable even where the editable install failed.
@@ -88,6 +89,44 @@ gpu_tests() {
   # Every GPU test skipped (the extension or torch cannot use the GPU) must not read as a pass.
   if [ "$rc" -eq 0 ] && ! grep -qE '[0-9]+ passed' "$txt"; then
     echo "no GPU test passed: all were skipped (see the reasons above)"
+    rc=5
+  fi
+  return "$rc"
+}
+
+# The GPU tests once more under PyTorch's CUDA stream sanitizer (CSAN, TORCH_CUDA_SANITIZER=1, read
+# when torch is imported): an operator that touches a tensor another stream used without an
+# ordering torch can see raises CUDASanitizerErrors and prints "CSAN detected a possible data race".
+# Any report fails the stage, also one a test caught (pytest's capture tees every line into the log).
+# CSAN follows the operators torch dispatches and the events and streams it records; the engine's
+# own cudaMemcpyAsync copies and CUDA events are not among them, so what it checks is the torch side
+# around the engine: where the reloaded and saved tensors meet the compute stream.
+gpu_tests_sanitized() {
+  if ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "pytest is not installed: sanitized GPU tests not run"
+    return 4
+  fi
+  if [ -z "$GPU_TEST_FILES" ]; then
+    echo "no test file marks GPU tests: sanitized GPU tests not run"
+    return 4
+  fi
+  # The switch must really turn the sanitizer on in this torch: otherwise a clean run means nothing.
+  if ! TORCH_CUDA_SANITIZER=1 "$PY" -c "import torch.cuda._sanitizer as csan, sys; sys.exit(0 if csan.cuda_sanitizer.enabled else 1)"; then
+    echo "TORCH_CUDA_SANITIZER=1 does not enable torch's CUDA sanitizer here: sanitized GPU tests not run"
+    return 4
+  fi
+  local txt="$OUT/tests_gpu_sanitized.pytest.txt" rc reports
+  # shellcheck disable=SC2086
+  TORCH_CUDA_SANITIZER=1 "$PY" -m pytest $GPU_TEST_FILES -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+    --capture=tee-sys -rfEs --junitxml="$OUT/tests_gpu_sanitized.xml" 2>&1 | tee "$txt"
+  rc=${PIPESTATUS[0]}
+  reports=$(grep -cE "CSAN detected a possible data race|CUDASanitizerErrors" "$txt")
+  if [ "$reports" -gt 0 ]; then
+    echo "CUDA sanitizer: $reports report line(s) (CSAN detected / CUDASanitizerErrors) in $txt"
+    [ "$rc" -eq 0 ] && rc=6
+  fi
+  if [ "$rc" -eq 0 ] && ! grep -qE '[0-9]+ passed' "$txt"; then
+    echo "no GPU test passed under the sanitizer: all were skipped (see the reasons above)"
     rc=5
   fi
   return "$rc"
@@ -266,12 +305,13 @@ EOF
 }
 
 export PY OUT GPU_TEST_FILES
-export -f build gpu_tests budget_run summary
+export -f build gpu_tests gpu_tests_sanitized budget_run summary
 
 echo "ckpt_offload GPU check: output in $OUT, budget ${TOTAL_S}s, layers $LAYERS, seqs $SEQS"
 stage env 15 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'"
 stage build 80 build
 stage tests_gpu 60 gpu_tests
+stage tests_gpu_sanitized 75 gpu_tests_sanitized
 stage bandwidth 25 "$PY" benchmarks/bench_bandwidth.py --out "$OUT/bandwidth"
 # Every mode of bench_step, attn_offload (inputs and attention outputs offloaded) included, then a
 # varying-length pass (lengths 2048..8192 padded to 64, drawn per step): no host allocation after

@@ -61,7 +61,7 @@ def clean_stats():
 
 @pytest.fixture(autouse=True)
 def no_hf_routing():
-    """hf.install() (implied by hf.checkpointing_args(offload=True)) patches transformers for the
+    """hf.install() (implied by hf.install_checkpointing_args(offload=True)) patches transformers for the
     whole process: undone after every test, so that no test sees another's routing."""
     yield
     # trl.install() and accelerate.install() patch their libraries for the whole process too.

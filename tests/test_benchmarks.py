@@ -303,3 +303,47 @@ def test_record_results_files_a_run_with_its_summary(outputs, tmp_path):
     empty.mkdir()
     p = subprocess.run(cmd[:2] + [str(empty), "--dest", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "neither" in p.stderr
+
+
+@pytest.mark.parametrize("run, rc", [
+    ("clean", 0),                 # tests passed, no report
+    ("report", 6),                # tests passed, but a test caught CUDASanitizerErrors: still a failure
+    ("failed", 1),                # a test failed on a report: pytest's own exit code stands
+    ("skipped", 5),               # nothing ran: not a pass
+    ("no-sanitizer", 4),          # TORCH_CUDA_SANITIZER=1 turns nothing on: not run, not a pass
+])
+def test_gpu_check_sanitized_stage_fails_on_any_report(tmp_path, run, rc):
+    """gpu_check.sh's tests_gpu_sanitized stage, its function taken from the script and run with a
+    stand-in interpreter that answers as pytest would under the sanitizer (no GPU here): it passes
+    only where tests passed and no line says CSAN reported, and it runs pytest with the switch set."""
+    script = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    start = script.index("gpu_tests_sanitized() {")
+    body = script[start:script.index("\n}\n", start) + 3]
+    assert "stage tests_gpu_sanitized" in script and "gpu_tests_sanitized" in script.split("export -f", 1)[1].split("\n")[0]
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$TORCH_CUDA_SANITIZER $*" >> {tmp_path}/calls
+case "$*" in
+  "-c import pytest") exit 0 ;;
+  *cuda_sanitizer.enabled*) [ "{run}" = no-sanitizer ] && exit 1; exit 0 ;;
+esac
+case "{run}" in
+  clean) echo "3 passed in 1.00s"; exit 0 ;;
+  report) echo "CSAN detected a possible data race on tensor with data pointer 1"; echo "3 passed"; exit 0 ;;
+  failed) echo "E   torch.cuda._sanitizer.CUDASanitizerErrors: detected 1 errors"; echo "1 failed, 2 passed"; exit 1 ;;
+  skipped) echo "3 skipped"; exit 0 ;;
+esac
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    p = subprocess.run(["bash", "-c", body + "\ngpu_tests_sanitized"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PY=str(fake), OUT=str(out), GPU_TEST_FILES="tests/test_engine.py"))
+    assert p.returncode == rc, p.stdout + p.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    pytest_calls = [c for c in calls if " -m pytest " in f" {c} "]
+    if run == "no-sanitizer":
+        assert not pytest_calls
+    else:
+        (call,) = pytest_calls
+        assert call.startswith("1 -m pytest tests/test_engine.py -m gpu") and "--capture=tee-sys" in call

@@ -417,7 +417,7 @@ def test_trainer_torch_compile_with_offload_callback(tmp_path):
             output_dir=str(out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
             torch_compile=compile_, torch_compile_backend="aot_eager" if compile_ else None,
-            **hf.checkpointing_args(every_n_layers=1, offload=True),
+            **hf.install_checkpointing_args(every_n_layers=1, offload=True),
         )
         trainer = transformers.Trainer(model=_tiny_llama(), args=args, train_dataset=Data(), callbacks=callbacks)
         trainer.train()

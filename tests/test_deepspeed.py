@@ -136,15 +136,15 @@ def _run(stage, tune, route, out_dir, recorder):
 
     hf.uninstall()
     if route == "transformers":
-        checkpointing = hf.checkpointing_args(offload=False, use_reentrant=False)
+        checkpointing = hf.install_checkpointing_args(offload=False, use_reentrant=False)
     elif route == "install":
         hf.install()
-        checkpointing = hf.checkpointing_args(offload=True)
+        checkpointing = hf.install_checkpointing_args(offload=True)
     elif route == "callback":
-        checkpointing = hf.checkpointing_args(offload=True)
+        checkpointing = hf.install_checkpointing_args(offload=True)
         hf.uninstall()  # the callback alone
     else:  # enable: the model configured by hand; the Trainer's own enable keeps it, with one warning
-        checkpointing = hf.checkpointing_args(offload=False, use_reentrant=False)
+        checkpointing = hf.install_checkpointing_args(offload=False, use_reentrant=False)
     # TrainingArguments before the model: under ZeRO-3 from_config builds it partitioned.
     args = transformers.TrainingArguments(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=B, learning_rate=1e-2, logging_steps=1,

@@ -207,3 +207,16 @@ def test_probe_measures_both_directions():
     assert p["ran"] and p["d2h_gb_per_s"] > 0 and p["h2d_gb_per_s"] > 0
     if p["nominal_gb_per_s"]:
         assert 0 < p["d2h_of_nominal"] and 0 < p["h2d_of_nominal"]
+
+
+def test_ranks_per_node_unset_is_said_not_shown_as_one(monkeypatch):
+    # No launcher variable: the report says so (1 is what is assumed), not "LOCAL_WORLD_SIZE: 1" as
+    # if a launcher had set it; a variable that is set is shown with its name.
+    for name in hostmem._RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    text = envreport.format_text(envreport.report())
+    line = next(l for l in text.splitlines() if l.startswith("LOCAL_WORLD_SIZE:"))
+    assert line.split(":", 1)[1].strip().startswith("unset") and "1 assumed" in line
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+    line = next(l for l in envreport.format_text(envreport.report()).splitlines() if l.startswith("LOCAL_WORLD_SIZE:"))
+    assert line == "LOCAL_WORLD_SIZE:    1 (from OMPI_COMM_WORLD_LOCAL_SIZE)"

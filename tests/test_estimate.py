@@ -415,7 +415,7 @@ def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeyp
 
 
 def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
-    # docs/estimate.md shows the command's transcripts for its Llama-3-8B-shaped config: each one is
+    # docs/estimate.md shows the command's transcripts for its Llama-3.1-8B-shaped config: each one is
     # run here as written (in this process), and its output must be the page's, figure for figure.
     from test_docs import fences
 

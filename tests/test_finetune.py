@@ -123,7 +123,7 @@ def test_offload_callback_with_a_peft_model(tmp_path):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
-        **hf.checkpointing_args(every_n_layers=1, offload=True),
+        **hf.install_checkpointing_args(every_n_layers=1, offload=True),
     )
     hf.uninstall()  # the callback alone
     callback = hf.OffloadCallback(keep_last=1)

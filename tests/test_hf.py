@@ -139,7 +139,7 @@ def test_enable_refuses_double_checkpointing_and_bad_arguments():
 
 def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=None):
     """Losses of a 3-step Trainer run; checkpointing: the TrainingArguments keywords (default
-    hf.checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
+    hf.install_checkpointing_args(every_n_layers=every_n, offload=True)); model: default tiny("llama")."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -151,7 +151,7 @@ def _trainer_losses(tmp_path, callbacks, every_n=2, checkpointing=None, model=No
             return {"input_ids": ids, "labels": ids}
 
     if checkpointing is None:
-        checkpointing = hf.checkpointing_args(every_n_layers=every_n, offload=True)
+        checkpointing = hf.install_checkpointing_args(every_n_layers=every_n, offload=True)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=3,
@@ -182,7 +182,7 @@ def test_trainer_same_losses_with_and_without_the_callback(tmp_path):
     assert ckpt_offload.stats()["bytes_offloaded"] == 0  # transformers' own save_on_cpu: not ours
     assert not hf.installed()
     per_step = 2 * (B * S * H * 4)  # layers 0, 2, 4 checkpointed; 0 and 2 offloaded, 4 kept
-    # checkpointing_args(offload=True) installs the routing: no callback needed.
+    # install_checkpointing_args(offload=True) installs the routing: no callback needed.
     plain, trainer = _trainer_losses(tmp_path / "b", [])
     assert hf.installed()
     assert ckpt_offload.checkpointing_state(trainer.model) == ([0, 2, 4], [0, 2])
@@ -307,12 +307,12 @@ def test_arguments_are_checked_where_they_are_given():
     model = tiny("llama")
     with pytest.raises(TypeError, match="hf.enable: offload must be True or False, got 'yes'"):
         hf.enable(model, offload="yes")
-    with pytest.raises(TypeError, match="hf.checkpointing_args: offload must be True or False, got 'no'"):
-        hf.checkpointing_args(offload="no")
-    with pytest.raises(ValueError, match="hf.checkpointing_args: use_reentrant=True is not supported"):
-        hf.checkpointing_args(every_n_layers=2, offload=True, use_reentrant=True)
-    with pytest.raises(ValueError, match="hf.checkpointing_args: every_n_layers must be an int >= 1, got 0"):
-        hf.checkpointing_args(every_n_layers=0)
+    with pytest.raises(TypeError, match="hf.install_checkpointing_args: offload must be True or False, got 'no'"):
+        hf.install_checkpointing_args(offload="no")
+    with pytest.raises(ValueError, match="hf.install_checkpointing_args: use_reentrant=True is not supported"):
+        hf.install_checkpointing_args(every_n_layers=2, offload=True, use_reentrant=True)
+    with pytest.raises(ValueError, match="hf.install_checkpointing_args: every_n_layers must be an int >= 1, got 0"):
+        hf.install_checkpointing_args(every_n_layers=0)
     with pytest.raises(TypeError, match="hf.checkpointing_enable: offload must be True or False"):
         hf.checkpointing_enable(model, offload=1)
     with pytest.raises(TypeError, match="hf.enable: prefetch_bytes must be an int >= 1"):
@@ -320,7 +320,7 @@ def test_arguments_are_checked_where_they_are_given():
     with pytest.raises(TypeError, match="OffloadCallback: prefetch_bytes must be an int >= 1"):
         hf.OffloadCallback(prefetch_bytes="1G")
     assert not hf.installed()  # nothing was installed by the rejected calls
-    assert hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False)
+    assert hf.install_checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False)
     assert not hf.installed()
 
 
@@ -375,15 +375,15 @@ def test_unknown_keywords_are_refused_with_the_close_match():
     with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'example_input'; did you mean 'example_inputs'"):
         hf.enable(model, budget_bytes="auto", example_input=(batch(),))
     assert hf.state(model) is None and marked(model) == []  # the refused calls left the model as it was
-    with pytest.raises(TypeError, match=r"hf.checkpointing_args: unexpected keyword 'every_n'; did you mean 'every_n_layers'"):
-        hf.checkpointing_args(every_n=2)
+    with pytest.raises(TypeError, match=r"hf.install_checkpointing_args: unexpected keyword 'every_n'; did you mean 'every_n_layers'"):
+        hf.install_checkpointing_args(every_n=2)
     assert not hf.installed()
     # torch's checkpoint keywords still pass, and are used.
     assert hf.enable(model, every_n_layers=2, preserve_rng_state=False) == [0, 2, 4]
-    args = hf.checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False, determinism_check="none")
+    args = hf.install_checkpointing_args(every_n_layers=2, offload=False, use_reentrant=False, determinism_check="none")
     assert next(v for k, v in args.items() if k.endswith("_kwargs")) == {
         "every_n_layers": 2, "offload": False, "use_reentrant": False, "determinism_check": "none"}
-    for f in (hf.enable, hf.checkpointing_args):
+    for f in (hf.enable, hf.install_checkpointing_args):
         assert "preserve_rng_state" in f.__doc__ and "TypeError" in f.__doc__
 
 
@@ -395,6 +395,25 @@ def test_install_refuses_unknown_checkpointing_keywords():
                                         r"'preserve_rng_state'"):
         _own_enable(model, name, offload=True, checkpoint_kwargs={"preserve_rng": False})
     assert hf.state(model) is None
+
+
+@pytest.mark.parametrize("key, match", [("ofload", "offload"), ("preserve_rng", "preserve_rng_state")])
+def test_install_refuses_a_misspelt_trainer_key_before_the_first_forward(tmp_path, key, match):
+    """hf.install() and no callback: a misspelt key in the TrainingArguments' checkpointing kwargs
+    (with it, "offload" is missing, so transformers takes its own offload=False path) is refused with
+    the close match when the Trainer turns checkpointing on, before any forward runs; not by torch's
+    checkpoint at the first forward."""
+    hf.install()
+    model = tiny("llama")
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    checkpointing = _own_keywords()
+    kwargs = next(v for k, v in checkpointing.items() if k.endswith("_kwargs"))
+    del kwargs["offload"]
+    kwargs[key] = True
+    with pytest.raises(TypeError, match=rf"under hf.install\(\): unexpected keyword '{key}'; did you mean '{match}'"):
+        _trainer_losses(tmp_path, [], checkpointing=checkpointing, model=model)
+    assert forwards == []
 
 
 def test_callback_refuses_unknown_training_argument_keywords(tmp_path):
@@ -472,3 +491,73 @@ def test_callback_auto_refuses_a_transformed_dataset_with_its_own_message():
     with pytest.raises(ValueError, match=r"longest batch of the run is unknown.*transform"):
         cb._longest(SimpleNamespace(), SimpleNamespace(dataset=doubled))
     assert cb._longest(SimpleNamespace(), SimpleNamespace(dataset=ids.with_format("torch"))) == 3
+
+
+def test_enable_that_offloads_nothing_says_so_as_enable_checkpointing_does():
+    """every_n_layers equal to the layer count checkpoints layer 0 alone, which keep_last=1 keeps on
+    the device: hf.enable warns as enable_checkpointing does, at the caller's line, and the state
+    reports no offloaded layer."""
+    model = tiny("llama")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert hf.enable(model, every_n_layers=LAYERS, offload=True) == [0]
+    (w,) = [r for r in records if "offloads nothing" in str(r.message)]
+    assert w.category is RuntimeWarning and str(w.message).startswith("hf.enable: offload=True offloads nothing")
+    assert w.filename == __file__
+    assert ckpt_offload.checkpointing_state(model) == ([0], [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.enable(model, every_n_layers=LAYERS // 2, offload=True)  # layers 0 and 3: layer 0 offloads
+    assert ckpt_offload.checkpointing_state(model) == ([0, 3], [0])
+    hf.disable(model)
+
+
+def test_checkpointing_args_is_a_deprecated_alias_that_says_it_installs():
+    """install_checkpointing_args names its process-wide effect; the old name still works, warns
+    (FutureWarning, at the caller's line) and does the same: the keywords, and the install."""
+    assert not hf.installed()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        old = hf.checkpointing_args(every_n_layers=2, offload=True)
+    (w,) = [r for r in records if issubclass(r.category, FutureWarning)]
+    assert "hf.install_checkpointing_args" in str(w.message) and w.filename == __file__
+    assert hf.installed()
+    hf.uninstall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hf.install_checkpointing_args(every_n_layers=2, offload=True) == old
+    assert hf.installed()
+    hf.uninstall()
+    assert hf.install_checkpointing_args(offload=False)  # checkpointing only: nothing installed
+    assert not hf.installed()
+    assert "install()" in hf.install_checkpointing_args.__doc__.split("\n\n")[0]
+
+
+def test_callback_auto_shows_its_plan_and_what_it_replaced(tmp_path, monkeypatch, capsys):
+    """budget='auto' with room for everything: the plan checkpoints nothing, which replaces the
+    checkpointing the TrainingArguments turned on: a warning says so, the plan is printed where a
+    Trainer user sees it, and the profiling steps do not count in stats() (nothing is offloaded by
+    the run's steps, and stats() says none)."""
+    from ckpt_offload.sizing import budget
+
+    monkeypatch.setenv(budget.TEST_DEVICE_ENV, str(64 << 30))
+    callback = hf.OffloadCallback(budget="auto")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        _trainer_losses(tmp_path, [callback], checkpointing=_own_keywords(every_n=1))
+    assert callback.plan.modes == ["none"] * LAYERS
+    replaced = [r for r in records if "the plan replaces that" in str(r.message)]
+    assert len(replaced) == 1 and f"layers {list(range(LAYERS))}" in str(replaced[0].message)
+    assert replaced[0].filename == __file__  # the user's line (trainer.train()), not the Trainer's loop
+    out = capsys.readouterr().out
+    assert f"OffloadCallback(budget='auto'): planned for batch 2 x {S} tokens: blocks 0-{LAYERS - 1} none" in out
+    s = ckpt_offload.stats()
+    assert s["tensors_offloaded"] == 0 and s["bytes_offloaded"] == 0
+
+
+def test_callback_alone_prints_that_it_turned_checkpointing_on(tmp_path, capsys):
+    callback = hf.OffloadCallback(keep_last=1)
+    _, trainer = _trainer_losses(tmp_path, [callback], checkpointing={})
+    out = capsys.readouterr().out
+    assert "OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on" in out
+    assert f"checkpointed {list(range(LAYERS))}, offloaded {list(range(LAYERS - 1))}" in out

@@ -156,6 +156,48 @@ def test_cpu_without_the_test_path_reports_what_stayed(monkeypatch):
     loss.backward()
 
 
+def test_plain_cpu_state_claims_no_offload_before_any_step(monkeypatch):
+    """Before any step, a model on a CPU outside the test path reports no offloaded layer: the
+    state is what can run (the session's own rule for what the engine moves), not the modes asked
+    for; moved to the test path's session it does report them, before a step as after one."""
+    monkeypatch.delenv("CKPT_OFFLOAD_TEST_CPU", raising=False)
+    model = _Stack()
+    assert ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1) == [0, 1, 2]
+    assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2], [])  # before any step
+    x = torch.randn(64, 256, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).backward()
+    assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2], [])  # after one: the same
+    monkeypatch.setenv("CKPT_OFFLOAD_TEST_CPU", "1")
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
+    assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2], [0, 1])
+    model(x).backward()
+    assert ckpt_offload.stats()["tensors_offloaded"] == 2
+    assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2], [0, 1])
+    ckpt_offload.disable_checkpointing(model)
+
+
+def test_plain_cpu_warning_names_the_callers_line(monkeypatch):
+    """The "stays on cpu" warning is said from inside torch's checkpoint (the pack hook): it is
+    attributed to the user's own line nearest the pack, the model's call of its block (in this
+    file), not to torch's checkpoint.py."""
+    monkeypatch.delenv("CKPT_OFFLOAD_TEST_CPU", raising=False)
+    monkeypatch.setattr(ckpt_offload.session, "_unmovable_warned", False)
+    model = _Stack()
+    ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        loss = model(x)
+    loss.backward()
+    (w,) = _unmovable_warnings(records)
+    assert w.filename == __file__, w.filename
+    with open(__file__) as f:
+        assert f.read().splitlines()[w.lineno - 1].strip() == "h = b(h)"  # _Stack.forward's call of a block
+    ckpt_offload.disable_checkpointing(model)
+
+
 def test_a_lazy_conjugate_view_is_counted_and_named(test_cpu, monkeypatch):
     monkeypatch.setattr(ckpt_offload.session, "_unmovable_warned", False)
     x = torch.randn(128, 128, dtype=torch.complex64, requires_grad=True)

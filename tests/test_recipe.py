@@ -329,6 +329,20 @@ def test_cli_reads_training_args_and_peft_config(small_config, tmp_path, capsys)
                  "--device-memory", "4GiB", "--host-memory", "1TiB")["seq"] == 64
 
 
+@pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])
+def test_training_args_read_checkpointing_under_either_name(tmp_path, name):
+    """transformers 5.25 writes activation_checkpointing[_kwargs] (gradient_checkpointing* are its
+    deprecated aliases, the only names in 5.17): either selects the mode; the new name wins."""
+    from ckpt_offload.sizing import recipe_files
+
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({name: True, f"{name}_kwargs": {"offload": True}}))
+    assert recipe_files.training_args(str(args))["configuration"] == {"every_n_layers": 1, "offload": True,
+                                                                       "keep_last": 1}
+    args.write_text(json.dumps({"activation_checkpointing": False, "gradient_checkpointing": True}))
+    assert recipe_files.training_args(str(args))["configuration"] == {"checkpointing": False}
+
+
 def test_cli_says_why_nothing_fits(small_config, capsys):
     rc, out, err = run_main(capsys, "--config", small_config, "--seq", "64", "--device-memory", "2MiB",
                             "--margin", "0", "--host-memory", "1TiB", "--ranks-per-node", "1")

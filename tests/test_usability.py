@@ -380,7 +380,7 @@ def test_offload_defaults_to_true_at_every_entry_point():
 
     from ckpt_offload.integrations import hf
 
-    for f in (ckpt_offload.checkpoint, ckpt_offload.enable_checkpointing, hf.enable, hf.checkpointing_args):
+    for f in (ckpt_offload.checkpoint, ckpt_offload.enable_checkpointing, hf.enable, hf.install_checkpointing_args):
         assert inspect.signature(f).parameters["offload"].default is True, f.__qualname__
         assert "offload" in (f.__doc__ or "") and "True by default" in f.__doc__, f.__qualname__
     model = make_model(layers=4)
@@ -484,16 +484,19 @@ def test_retain_graph_reloads_for_each_backward_as_documented():
 
 
 def test_checkpoint_refuses_a_near_miss_of_its_own_keywords():
-    """A function with **kwargs (as a decoder layer's forward) would take offlaod= and ignore it."""
+    """A near miss of an option (offlaod=, context=) that the function cannot take is refused with
+    the match, before anything runs; torch would pass it on and the function would raise."""
     w = torch.randn(H, H, requires_grad=True)
 
-    def layer(h, **kwargs):
-        return torch.tanh(h @ w)
+    def layer(h, *args, scale=1.0):
+        return torch.tanh(h @ w) * scale
 
     with pytest.raises(TypeError, match=r"ckpt_offload.checkpoint: unexpected keyword 'offlaod'; did you mean 'offload'"):
         ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, offlaod=False)
     with pytest.raises(TypeError, match=r"did you mean 'preserve_rng_state'"):
         ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, preserve_rng=False)
+    with pytest.raises(TypeError, match=r"unexpected keyword 'context'; did you mean 'context_fn'"):
+        ckpt_offload.checkpoint(layer, torch.randn(4, H) * 2, context=None)
     assert ckpt_offload.stats()["tensors_offloaded"] == 0
 
     def scaled(h, scale=1.0, offloads=0):  # named by the function: its own keywords, passed on
@@ -504,3 +507,30 @@ def test_checkpoint_refuses_a_near_miss_of_its_own_keywords():
     assert ckpt_offload.stats()["tensors_offloaded"] == 1
     want = torch.autograd.grad((torch.tanh((x * 2) @ w) * 2.0 + 1).sum(), x)[0]
     assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("by_name", [True, False])
+def test_checkpoint_passes_a_keyword_the_function_takes_as_torch_does(by_name):
+    """torch's checkpoint hands keywords it does not own to the function (the usual **kwargs
+    wrapper of a layer): context=, a near miss of context_fn, taken by name or through **kwargs,
+    goes through and reaches the function, with the gradients of torch's own checkpoint."""
+    w = torch.randn(H, H, requires_grad=True)
+    seen = []
+
+    if by_name:
+        def layer(h, context=None):
+            seen.append(context)
+            return torch.tanh(h @ w) * context["scale"]
+    else:
+        def layer(h, **kwargs):
+            seen.append(kwargs["context"])
+            return torch.tanh(h @ w) * kwargs["context"]["scale"]
+
+    ctx = {"scale": 3.0}
+    x = torch.randn(4, H, requires_grad=True)
+    ckpt_offload.checkpoint(layer, x * 2, context=ctx).sum().backward()
+    assert seen and all(c is ctx for c in seen)  # the forward and the recompute both got it
+    got = x.grad
+    x.grad = None
+    torch.utils.checkpoint.checkpoint(layer, x * 2, context=ctx, use_reentrant=False).sum().backward()
+    assert torch.equal(got, x.grad)

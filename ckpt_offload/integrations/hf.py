@@ -26,13 +26,14 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from ..sizing import budget as _budget
 from .. import policies
-from ..attachment import Attachment, owner_of
+from ..attachment import Attachment, offloaded_of, owner_of
 from .._args import CHECKPOINT_KEYS as _CHECKPOINT_KEYS
 from .._args import check_bool as _check_bool
 from .._args import check_keywords as _check_keywords
 from .._args import check_int as _check_int
 from .._args import check_prefetch as _check_prefetch
 from .._args import check_not_reentrant as _check_not_reentrant
+from .._args import warn_at_caller as _warn_at_caller
 from ..model import checkpointing_state, disable_checkpointing
 from ..selection import block_modes, checkpointed_indices
 
@@ -76,32 +77,49 @@ def checkpointing_disable(model) -> None:
         model.gradient_checkpointing_disable()
 
 
-def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
-    """TrainingArguments keywords that turn checkpointing on, under this transformers' names:
-    transformers.TrainingArguments(..., **checkpointing_args(every_n_layers=2, offload=True)).
+def install_checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
+    """Calls install() when offload=True (a process-wide change: transformers' own offload=True goes
+    through the async engine for every model and Trainer of this process, until uninstall()), and
+    returns the TrainingArguments keywords that turn checkpointing on, under this transformers' names:
+    transformers.TrainingArguments(..., **install_checkpointing_args(every_n_layers=2)).
 
     | argument | default | meaning |
     |---|---|---|
     | every_n_layers | 1 | transformers' layer selection: layer index % n == 0 |
-    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only |
+    | offload | True | True by default, as at every ckpt_offload entry point; False: checkpointing only, and nothing installed |
     | **checkpoint_kwargs | | only torch.utils.checkpoint.checkpoint's own options: use_reentrant (False or None), preserve_rng_state, context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks |
 
-    With offload=True this also calls install(), so that the Trainer's own offload=True goes
-    through the async engine with or without OffloadCallback (uninstall() undoes it).
+    With offload=True, the install is what makes the Trainer's own offload=True go through the engine
+    with or without OffloadCallback; with the callback, its settings (keep_last, prefetch) apply.
+    Without this call, the keywords alone would make transformers offload with its own save_on_cpu.
+    Its earlier name, checkpointing_args, remains as a deprecated alias that warns.
 
     Raises:
         TypeError: a keyword that is none of these (the message names the closest one); transformers
             would hand it to the decoder layers, which ignore it.
     """
-    _check_keywords("hf.checkpointing_args", checkpoint_kwargs, CHECKPOINT_KWARGS, own=checkpointing_args)
-    _check_int("hf.checkpointing_args", "every_n_layers", every_n_layers, 1)
-    _check_bool("hf.checkpointing_args", "offload", offload)
-    _check_not_reentrant("hf.checkpointing_args", checkpoint_kwargs.get("use_reentrant"))
+    where = "hf.install_checkpointing_args"
+    _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS, own=install_checkpointing_args)
+    _check_int(where, "every_n_layers", every_n_layers, 1)
+    _check_bool(where, "offload", offload)
+    _check_not_reentrant(where, checkpoint_kwargs.get("use_reentrant"))
     if offload:
         install()
     fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return {name: True, f"{name}_kwargs": {"every_n_layers": every_n_layers, "offload": offload, **checkpoint_kwargs}}
+
+
+def checkpointing_args(every_n_layers: int = 1, offload: bool = True, **checkpoint_kwargs) -> dict:
+    """Deprecated alias of install_checkpointing_args, whose name says that with offload=True it
+    also calls install() (a process-wide change), which this name hid. Warns (FutureWarning)."""
+    _warn_at_caller(
+        "hf.checkpointing_args is deprecated: use hf.install_checkpointing_args, the same call under a name that says "
+        "what it does (with offload=True it calls hf.install(), routing transformers' own offload=True through "
+        "the engine for the whole process)",
+        FutureWarning,
+    )
+    return install_checkpointing_args(every_n_layers, offload, **checkpoint_kwargs)
 
 
 def training_args_checkpointing(args):
@@ -185,6 +203,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
     # The layers transformers' selection checkpointed, read off them; which of those offload is ours.
     checkpointed = [i for i, m in enumerate(layers) if m.gradient_checkpointing]
     modes = block_modes(len(layers), offload=offload, keep_last=keep_last, checkpointed=checkpointed, where="hf.enable")
+    offloaded_of("hf.enable", modes, offload, keep_last, every_n_layers)
     Attachment(target, layers, modes, hf=True, contexts=contexts, checkpoint_kwargs=checkpoint_kwargs,
                prefetch=prefetch, prefetch_bytes=prefetch_bytes).attach()
     return checkpointed
@@ -245,6 +264,14 @@ def _arrow_longest(dataset):
     return n if isinstance(n, int) and n > 0 else None
 
 
+def _notice(state, message):
+    """Something a Trainer user should see (a plan, a setting the callback made): printed on the main
+    process, as the Trainer prints its own logs, and logged at INFO on the "ckpt_offload" logger."""
+    log.info(message)
+    if state is None or getattr(state, "is_world_process_zero", True):
+        print(message, flush=True)
+
+
 class OffloadCallback(TrainerCallback):
     """Makes a Trainer run checkpoint and offload through the async engine; on its own it is enough.
 
@@ -252,18 +279,21 @@ class OffloadCallback(TrainerCallback):
     TrainingArguments' checkpointing kwargs (activation_checkpointing_kwargs, or
     gradient_checkpointing_kwargs before transformers' rename: every_n_layers, offload, torch's
     checkpoint options; any other key raises TypeError) when they turn checkpointing on; when they
-    do not, every layer is checkpointed and offloaded (one log line on the "ckpt_offload" logger
-    says so), unless ckpt_offload already configured the model (hf.enable before the Trainer),
+    do not, every layer is checkpointed and offloaded (a notice says so, printed on the main process
+    and logged at INFO on the "ckpt_offload" logger), unless ckpt_offload already configured the model (hf.enable before the Trainer),
     which is kept. offload is True unless those kwargs say "offload": False, as at every
     ckpt_offload entry point. keep_last / prefetch / prefetch_bytes are this callback's own.
-    Arguments from checkpointing_args(offload=True) offload through the engine without the callback
-    too (that call installs the routing, see install()); the callback adds its settings.
+    Arguments from install_checkpointing_args(offload=True) offload through the engine without the
+    callback too (that call installs the routing, see install()); the callback adds its settings.
 
     budget="auto": at the start of training, a mode per layer is planned instead
     (enable(budget_bytes="auto")) for the longest batch the run will see: `max_length` if given
     here, else the training arguments' `max_length` / `max_seq_length` (TRL's configs), else the
     longest `input_ids` of the training dataset, at `per_device_train_batch_size`. The Trainer's
-    optimizer is counted before its first step allocates its states. The plan is `self.plan`.
+    optimizer is counted before its first step allocates its states. The plan is `self.plan`; its
+    summary is printed on the main process (and logged). Where the TrainingArguments turn
+    checkpointing on and the plan checkpoints other layers (or none), a warning says what it
+    replaced. The plan's profiling steps do not count in stats(), which starts again from zero.
     """
 
     def __init__(self, keep_last: int = 1, prefetch: int = 1, prefetch_bytes=None, *, budget=None, max_length=None):
@@ -312,7 +342,7 @@ class OffloadCallback(TrainerCallback):
         return ("OffloadCallback(budget='auto'): the longest batch of the run is unknown (no max_length here or in "
                 f"the training arguments, and {why}); pass OffloadCallback(budget='auto', max_length=N)")
 
-    def _enable_auto(self, args, model, kwargs):
+    def _enable_auto(self, args, state, model, kwargs):
         target = _transformers_model("OffloadCallback", model)
         seq = self._longest(args, kwargs.get("train_dataloader"))
         batch = args.per_device_train_batch_size
@@ -329,10 +359,22 @@ class OffloadCallback(TrainerCallback):
         self.plan = enable(model, budget_bytes="auto", example_inputs=(input_ids,), loss_fn=loss_fn,
                            optimizer=optimizer)
         self.checkpointed = [i for i, m in enumerate(self.plan.modes) if m.startswith("checkpoint")]
+        _notice(state, f"OffloadCallback(budget='auto'): planned for batch {batch} x {seq} tokens: {self.plan.summary()}")
+        on, gc_kwargs = training_args_checkpointing(args)
+        every_n_layers = gc_kwargs.get("every_n_layers", 1)
+        asked = list(range(0, len(self.plan.modes), every_n_layers)) if isinstance(every_n_layers, int) and every_n_layers > 0 else None
+        if on and asked != self.checkpointed:
+            # The plan replaces a setting the user made: said where a Trainer user sees it.
+            _warn_at_caller(
+                f"OffloadCallback(budget='auto'): the TrainingArguments turn checkpointing on (layers {asked}, "
+                f"every_n_layers={every_n_layers}); the plan replaces that: layers {self.checkpointed} checkpointed, "
+                f"offloaded {checkpointing_state(model)[1]} (leave budget out to keep the TrainingArguments' checkpointing)",
+                UserWarning,
+            )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.budget is not None:
-            self._enable_auto(args, model, kwargs)
+            self._enable_auto(args, state, model, kwargs)
             return
         on, gc_kwargs = training_args_checkpointing(args)
         where = "OffloadCallback (checkpointing kwargs of TrainingArguments)"
@@ -346,9 +388,9 @@ class OffloadCallback(TrainerCallback):
         if configured is not None:
             # hf.enable (or a plan) configured the model before the Trainer: that configuration stands.
             self.checkpointed = configured[0]
-            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
-                     "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)",
-                     *configured)
+            _notice(state, "OffloadCallback: checkpointing is off in the TrainingArguments; the model keeps the "
+                           "configuration ckpt_offload gave it before training (checkpointed %s, offloaded %s)"
+                           % configured)
             return
         if not offload:
             warnings.warn(
@@ -365,10 +407,12 @@ class OffloadCallback(TrainerCallback):
             **gc_kwargs,
         )
         if not on:
-            log.info("OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on "
-                     "(hf.enable): every_n_layers=%d (%d layers checkpointed), offload=%s, keep_last=%d",
-                     every_n_layers, len(self.checkpointed), offload,
-                     min(self.keep_last, len(self.checkpointed)) if offload else 0)
+            _notice(state, "OffloadCallback: checkpointing is off in the TrainingArguments; the callback turns it on "
+                           "(hf.enable): every_n_layers=%d (%d layers checkpointed), offload=%s, keep_last=%d; "
+                           "checkpointed %s, offloaded %s"
+                           % (every_n_layers, len(self.checkpointed), offload,
+                              min(self.keep_last, len(self.checkpointed)) if offload else 0,
+                              *checkpointing_state(model)))
 
     @staticmethod
     def _count(model, every_n_layers):
@@ -419,11 +463,17 @@ def install() -> None:
         offload = bound.arguments.get("offload", False)
         where = f"{type(self).__name__}.{name.lstrip('_')} under hf.install()"
         _check_bool(where, "offload", offload)
+        checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
+        # Checked on both paths, when checkpointing is turned on (a Trainer does it as train() starts):
+        # transformers would hand a misspelt key to torch's checkpoint, which refuses it only at the
+        # first forward. The Trainer takes every_n_layers and offload out of its kwargs first, so a
+        # near miss of those is named too.
+        _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS, own=("every_n_layers", "offload"),
+                        note=" (the keys of the TrainingArguments' checkpointing kwargs: every_n_layers, offload and "
+                             "these)")
         if not offload:
             disable_checkpointing(self)  # transformers' own checkpointing replaces ours: our hooks go
             return original(*bound.args, **bound.kwargs)
-        checkpoint_kwargs = dict(bound.arguments.get(kwargs_name) or {})
-        _check_keywords(where, checkpoint_kwargs, CHECKPOINT_KWARGS)
         _check_not_reentrant(where, checkpoint_kwargs.pop("use_reentrant", None))
         every_n_layers = bound.arguments.get("every_n_layers", 1)
         _check_int(where, "every_n_layers", every_n_layers, 1)

@@ -94,7 +94,7 @@ def _parser():
                         "else 1)")
     p.add_argument("--training-args", default=None, metavar="FILE",
                    help="transformers TrainingArguments / TRL SFTConfig JSON (to_json_string()): batch, bf16/fp16, "
-                        "optim, gradient_checkpointing, use_liger_kernel, max_length, fsdp/deepspeed; options given "
+                        "optim, activation_checkpointing (or gradient_checkpointing), use_liger_kernel, max_length, fsdp/deepspeed; options given "
                         "here win")
     p.add_argument("--peft-config", default=None, metavar="FILE", help="peft's adapter_config.json (LoRA)")
     p.add_argument("--dtype", default=None,

@@ -232,6 +232,12 @@ def launcher_ranks(names):
     return None
 
 
+def local_world_size_variable():
+    """The launcher's variable local_world_size() reads (the first of them set, not empty), or None
+    when none is set and 1 is assumed."""
+    return next((name for name in _RANK_VARS if os.environ.get(name, "").strip() != ""), None)
+
+
 def share_of(available, fraction: float, ranks: int):
     """One rank's share of a node's host memory: floor(available * fraction) // ranks (None where
     `available` is None). The one rule for what a rank may pin: budget="auto", set_capacity("auto")

@@ -20,7 +20,8 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
     `"checkpoint"`, `"checkpoint+offload"` (recomputed; its input waits on the host) and
     `"checkpoint+offload+attention"` (the same with `policy="attention"`). Profiling runs nine
     steps or fewer on the batch, in training mode (each module's mode is restored after), leaves
-    every `.grad` allocated and zeroed, and restores the RNG state. The docs' "Planning for a memory budget" page explains the cost model and where it can
+    every `.grad` allocated and zeroed, restores the RNG state, and resets `stats()` (the profiling
+    steps do not count in what the run's steps report). The docs' "Planning for a memory budget" page explains the cost model and where it can
     be wrong.
 
     Args:

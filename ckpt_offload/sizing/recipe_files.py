@@ -86,8 +86,13 @@ def training_args(path, ranks=1) -> dict:
         out["optim"] = str(a["optim"])
     if a.get("optim_args"):
         out.update(parse_optim_args(a["optim_args"]))
-    if "gradient_checkpointing" in a:
-        out["configuration"] = row_for_configuration(a)
+    # transformers 5.2x's names, activation_checkpointing[_kwargs], win where set, as its
+    # TrainingArguments resolve them; gradient_checkpointing[_kwargs] before the rename (and in
+    # files that still use them).
+    name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if a.get(n) is not None), None)
+    if name is not None:
+        out["configuration"] = row_for_configuration(
+            {"gradient_checkpointing": a[name], "gradient_checkpointing_kwargs": a.get(f"{name}_kwargs")})
     if a.get("use_liger_kernel"):
         out["loss"] = "fused"
     if "gradient_accumulation_steps" in a:
