@@ -180,8 +180,9 @@ def test_sharded_parts_divide_and_count_what_is_gathered():
 def test_fp32_master_weights_under_autocast_count_fp32_weights_gradients_and_states():
     model = _meta_tiny(torch.bfloat16)  # built in the dtype the step computes in
     ids = torch.empty(2, 128, dtype=torch.long, device="meta")
-    pure = estimate_memory(model, (ids,), recipe=Recipe(), loss_fn=_loss)
-    master = estimate_memory(model, (ids,), recipe=Recipe(dtype="fp32", autocast="bf16"), loss_fn=_loss)
+    pure = estimate_memory(model, (ids,), recipe=Recipe(optim="adamw_torch"), loss_fn=_loss)
+    master = estimate_memory(model, (ids,), recipe=Recipe(optim="adamw_torch", dtype="fp32", autocast="bf16"),
+                             loss_fn=_loss)
     n = sum(p.numel() for p in model.parameters())
     assert pure.parts["weights_bytes"] == 2 * n and pure.parts["optimizer_bytes"] == 4 * n
     assert master.parts["weights_bytes"] == 4 * n and master.parts["grads_bytes"] == 4 * n
@@ -312,7 +313,10 @@ def test_cli_reads_training_args_and_peft_config(small_config, tmp_path, capsys)
                                        target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")))
     out = _json(capsys, "--config", small_config, "--training-args", str(args), "--peft-config", str(adapter),
                 "--device-memory", "4GiB", "--host-memory", "1TiB")
-    assert (out["batch"], out["seq"], out["selected_mode"]) == (2, 128, "checkpoint+offload")
+    # {"offload": true} through the engine keeps the last checkpointed block's input on the device
+    # (keep_last=1): no fixed row is that configuration, so none is marked.
+    assert (out["batch"], out["seq"], out["selected_mode"]) == (2, 128, None)
+    assert "keep_last=1" in out["configuration_refused"]
     assert "fused" in out["recipe"] and "adamw_bnb_8bit" in out["recipe"] and "gradients freed" in out["recipe"]
     with torch.device("meta"):
         base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(small_config))
@@ -320,9 +324,10 @@ def test_cli_reads_training_args_and_peft_config(small_config, tmp_path, capsys)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     assert out["parts"]["grads_bytes"] == 4 * sum(p.numel() for p in trainable)  # fp32 adapters, q and v only
     assert out["parts"]["optimizer_bytes"] == sum(recipe.state_bytes(p, "adamw_bnb_8bit") for p in trainable)
+    args.write_text(json.dumps(dict(json.loads(args.read_text()), gradient_checkpointing_kwargs={})))
     rc, table, err = run_main(capsys, "--config", small_config, "--training-args", str(args), "--device-memory", "4GiB",
                               "--host-memory", "1TiB")
-    assert rc == 0 and "checkpoint+offload" in [l.split()[0] for l in table.splitlines() if "<- --training-args" in l]
+    assert rc == 0 and "checkpoint" in [l.split()[0] for l in table.splitlines() if "<- --training-args" in l]
     # The options win over the file.
     assert _json(capsys, "--config", small_config, "--training-args", str(args), "--seq", "64", "--grads", "kept",
                  "--device-memory", "4GiB", "--host-memory", "1TiB")["seq"] == 64
