@@ -398,7 +398,12 @@ def run(args, progress=None):
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     progress(f"estimating batch {batch} x {seq} tokens")
     attention = None if args.attention in ("auto", "eager") else args.attention
-    est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
+    try:
+        est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
+    except ValueError as e:
+        files = " with ".join(f"{o} {v!r}" for o, v in (("--config", args.config), ("--training-args", args.training_args),
+                                                      ("--peft-config", args.peft_config)) if v)
+        raise _UsageError(f"the estimate cannot size the step of {files}: {_one_line(e)}") from None
     device, host, ranks = _hardware(args)
     # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
     host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)

@@ -378,6 +378,25 @@ class Recipe:
         return "; ".join(parts)
 
 
+def head_modules(model) -> set:
+    """The output head's modules: the head itself and, where peft wraps it (`modules_to_save`), the
+    frozen original and the trained copy inside. bitsandbytes quantizes none of them."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return set(head.modules()) if isinstance(head, nn.Module) else set()
+
+
+def head_linear(head):
+    """The nn.Linear that computes the output head: the head, or the trained copy peft's
+    `modules_to_save` wrapper runs (its active adapter's); None for another head."""
+    if isinstance(head, nn.Linear):
+        return head
+    copies = getattr(head, "modules_to_save", None)
+    active = getattr(head, "active_adapters", None) or [getattr(head, "active_adapter", None)]
+    if isinstance(copies, nn.ModuleDict) and active and active[0] in copies and isinstance(copies[active[0]], nn.Linear):
+        return copies[active[0]]
+    return None
+
+
 def _is_quantized(model, module, param_name):
     """bitsandbytes replaces every nn.Linear but the output head; LoRA's own layers come after it."""
     if param_name != "weight" or not isinstance(module, nn.Linear):
@@ -420,7 +439,7 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
     built = _model_dtype(model)
     weights = grads = states = step = 0
     dequant = 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head_modules(model)
     seen = set()
     for mod in model.modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -429,7 +448,7 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
             seen.add(id(p))
             dtype = held_dtype(p, recipe, built)
             size = torch.empty((), dtype=dtype, device="meta").element_size()
-            if recipe.quantize and pname == "weight" and isinstance(mod, nn.Linear) and mod is not head \
+            if recipe.quantize and pname == "weight" and isinstance(mod, nn.Linear) and mod not in head \
                     and not p.requires_grad:
                 weights += quantized_bytes(p, recipe.quantize, recipe.double_quant)
                 dequant = max(dequant, p.numel() * (recipe.compute_dtype or built).itemsize)
@@ -513,22 +532,24 @@ class loss_on_head:
         if kind == "transformers":
             return self
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"loss={self.recipe.loss!r} needs a model whose get_output_embeddings() is an nn.Linear")
+        linear = head_linear(head)
+        if linear is None:
+            raise ValueError(f"loss={self.recipe.loss!r} needs a model whose get_output_embeddings() is an nn.Linear "
+                             f"(or peft's modules_to_save copy of one)")
         self.head = head
 
         def forward(hidden):
             h = hidden.reshape(-1, hidden.shape[-1])
             labels = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
-            vocab = head.weight.shape[0]
+            vocab = linear.weight.shape[0]
             if kind == "fused":
                 rows = min(h.shape[0], fused_chunk_rows(h.shape[0], h.shape[1], vocab))
                 self.logits_bytes = rows * vocab * h.element_size()
-                self.loss = _FusedLinearCE.apply(h, head.weight, rows)
+                self.loss = _FusedLinearCE.apply(h, linear.weight, rows)
             else:
                 total, self.logits_bytes = None, 0
                 for part, lab in zip(h.chunk(chunks), labels.chunk(chunks)):
-                    logits = nn.functional.linear(part, head.weight, head.bias).float()
+                    logits = nn.functional.linear(part, linear.weight, linear.bias).float()
                     self.logits_bytes += logits.numel() * 4
                     one = nn.functional.cross_entropy(logits, lab, reduction="sum")
                     total = one if total is None else total + one

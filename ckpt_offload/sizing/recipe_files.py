@@ -245,7 +245,7 @@ def _positive(where, args, name, required=False):
     return value
 
 
-def checkpointing_configuration(args, where="--training-args"):
+def checkpointing_configuration(args, where="--training-args", keys=()):
     """The checkpointing the run of these TrainingArguments uses, as the keywords ckpt_offload's own
     entry points receive for it (`hf.install()` and `OffloadCallback` from the checkpointing kwargs,
     the TRL route from `activation_offloading`, accelerate's FSDP from `fsdp_config`), or None for
@@ -255,14 +255,20 @@ def checkpointing_configuration(args, where="--training-args"):
       blocks whose inputs stay on the device: 1 where offload goes through the engine);
     - `offload_all`: every saved activation offloaded (TRL's `activation_offloading`);
     - `fsdp_activation_checkpointing`: FSDP's own checkpointing of every wrapped layer as well.
+
+    `keys`: the file's fields, so that an error names the one the file used (the deprecated
+    `gradient_checkpointing*` or the newer `activation_checkpointing*`).
     """
     on = getattr(args, "activation_checkpointing", None)
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) if on is not None else None
     if on is None:  # before transformers' rename
         on = getattr(args, "gradient_checkpointing", False)
         kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
-    name = "activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs") \
-        else "gradient_checkpointing_kwargs"
+    old = not hasattr(args, "activation_checkpointing") or (
+        any(k.startswith("gradient_checkpointing") for k in keys) and not any(k.startswith("activation_") for k in keys))
+    name = "gradient_checkpointing_kwargs" if old else "activation_checkpointing_kwargs"
+    if not isinstance(on, bool):
+        raise RecipeFileError(f"{where}: {name.replace('_kwargs', '')}: expected true or false, got {on!r}")
     kwargs = kwargs or {}
     if not isinstance(kwargs, dict):
         raise RecipeFileError(f"{where}: {name}: expected an object, got {kwargs!r}")
@@ -407,12 +413,12 @@ def training_args(path, ranks=1, node_ranks=None, overrides=None) -> dict:
     where = f"--training-args {path!r}"
     data = {**data, **(overrides or {})}
     args = build_training_arguments(data, where)
-    out = _recipe_of(args, where, ranks, node_ranks, set(overrides or ()))
+    out = _recipe_of(args, where, ranks, node_ranks, set(overrides or ()), keys=set(data))
     out["optim_given"] = "optim" in data
     return out
 
 
-def _recipe_of(args, where, ranks=1, node_ranks=None, given=()):
+def _recipe_of(args, where, ranks=1, node_ranks=None, given=(), keys=()):
     notes = []
     out = {"args": args, "notes": notes}
     out["batch"] = _positive(where, args, "per_device_train_batch_size", required=True)
@@ -429,7 +435,7 @@ def _recipe_of(args, where, ranks=1, node_ranks=None, given=()):
             raise RecipeFileError(f"{where}: {flag}: expected true or false, got {value!r}")
     out["autocast"] = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     out.update(trainer_optimizer(args, where, notes, explicit_args="optim_args" in given))
-    out["configuration"] = checkpointing_configuration(args, where)
+    out["configuration"] = checkpointing_configuration(args, where, keys)
     out["loss"] = "fused" if getattr(args, "use_liger_kernel", False) else None
     out["grads"] = "kept" if accumulation > 1 else "freed"
     out["shard"] = _shard(args, ranks, node_ranks or ranks, notes, where)
