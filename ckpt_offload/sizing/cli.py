@@ -400,10 +400,17 @@ def run(args, progress=None):
     attention = None if args.attention in ("auto", "eager") else args.attention
     try:
         est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "overflow" in str(e):
+            raise  # torch's limit on a tensor's size: the length's, said by main()
         files = " with ".join(f"{o} {v!r}" for o, v in (("--config", args.config), ("--training-args", args.training_args),
                                                       ("--peft-config", args.peft_config)) if v)
-        raise _UsageError(f"the estimate cannot size the step of {files}: {_one_line(e)}") from None
+        cfg = getattr(model, "peft_config", {}).get("default")
+        why = ("; peft's LoRA on parameters (target_parameters) runs under torch.autocast, which torch refuses on "
+               "the meta device the estimate builds on" if getattr(cfg, "target_parameters", None)
+               and isinstance(e, RuntimeError) else "")
+        raise _UsageError(f"the estimate cannot size the step of {files}: {type(e).__name__}: {_one_line(e)}{why}") \
+            from None
     device, host, ranks = _hardware(args)
     # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
     host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)

@@ -709,8 +709,9 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="default", lo
         example_inputs: the model's positional arguments (a tuple) or keyword arguments (a dict),
             meta tensors; dimension 0 is the batch, dimension 1 the sequence.
         optimizer: a transformers `optim` name (the default, `"default"`, is the Trainer's default for
-            the installed transformers and torch, `recipe.default_optim()`; `"adamw"` is `"adamw_torch"`: two states per
-            trainable element in the parameter's dtype), or None; the recipe's, when `recipe` is given.
+            the installed transformers and torch, `recipe.default_optim()`; `"adamw"` is
+            `"adamw_torch"`: two states per trainable element in the parameter's dtype), or None;
+            the recipe's, when `recipe` is given.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
             squared output). A transformers model that takes `labels` and is given none is sized
             with `labels=input_ids`: its own causal-LM loss, as `python -m ckpt_offload estimate`
