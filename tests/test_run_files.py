@@ -274,10 +274,14 @@ def test_modules_to_save_head_is_not_quantized_and_takes_the_fused_loss(small_co
                                                  modules_to_save=["lm_head"]).named_parameters()
                if not p.requires_grad and "lm_head" in n) * 4
     assert full == head
-    # the head (original and trained copy) is kept whole: only the blocks' linear weights shrink
-    blocks = sum(m.weight.numel() for n, m in _meta_peft(small_config, r=4, target_modules=["q_proj"]).named_modules()
-                 if isinstance(m, torch.nn.Linear) and ".layers." in n and "lora_" not in n)
-    assert plain["weights_bytes"] - quantized["weights_bytes"] == pytest.approx(blocks * 4 - blocks / 2, rel=0.1)
+    # the head (original and trained copy) is kept whole: only the blocks' frozen linear weights shrink,
+    # each to bitsandbytes' nf4 layout
+    built = _meta_peft(small_config, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    blocks = [m.weight for n, m in built.named_modules()
+              if isinstance(m, torch.nn.Linear) and ".layers." in n and not m.weight.requires_grad]
+    assert len(blocks) == 7 * SMALL["num_hidden_layers"]
+    saved = sum(4 * w.numel() - recipe.quantized_bytes(w, "nf4") for w in blocks)
+    assert plain["weights_bytes"] - quantized["weights_bytes"] == saved
     fused = _json(capsys, *base, "--loss", "fused")
     assert fused["parts"]["logits_bytes"] < plain["logits_bytes"]
 
