@@ -254,7 +254,8 @@ def test_cli_json_schema_and_fits_agree_with_longest(small_config):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes", "recipe",
-                        "your_run", "why_nothing_fits", "modes", "parts", "optimizer_step_peak_bytes"}
+                        "your_run", "configuration_refused", "not_counted", "why_nothing_fits", "modes", "parts",
+                        "optimizer_step_peak_bytes"}
     assert out["max_seq"] == 4096
     assert out["device_margin_bytes"] == 0
     assert out["model"] == "LlamaForCausalLM" and out["seq"] == 512 and out["batch"] == 2

@@ -144,7 +144,7 @@ def _transformers_model(where, model):
 
 def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int = 1, prefetch: int = 1,
            prefetch_bytes=None, policy=None, *, budget_bytes=None, example_inputs=None, loss_fn=None,
-           host_budget_bytes=None, optimizer="adamw", **checkpoint_kwargs):
+           host_budget_bytes=None, optimizer="default", **checkpoint_kwargs):
     """Turns on transformers' gradient checkpointing for `model` with the same layer selection
     transformers uses for every_n_layers; with offload=True the checkpointed layers' inputs go
     through the async engine (the last keep_last checkpointed layers stay on the device).
@@ -210,7 +210,7 @@ def enable(model, every_n_layers: int = 1, offload: bool = True, keep_last: int 
 
 
 def _enable_planned(model, target, budget_bytes, example_inputs, loss_fn, host_budget_bytes, checkpoint_kwargs,
-                    optimizer="adamw"):
+                    optimizer="default"):
     from ..planner import _check_budget
     from ..sizing.plan import plan_memory
 
@@ -355,7 +355,7 @@ class OffloadCallback(TrainerCallback):
             # As transformers' causal-LM loss does: the logits upcast to fp32 before the cross-entropy.
             return torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), input_ids.flatten())
 
-        optimizer = kwargs.get("optimizer") or "adamw"
+        optimizer = kwargs.get("optimizer") or "default"
         self.plan = enable(model, budget_bytes="auto", example_inputs=(input_ids,), loss_fn=loss_fn,
                            optimizer=optimizer)
         self.checkpointed = [i for i, m in enumerate(self.plan.modes) if m.startswith("checkpoint")]

@@ -122,14 +122,15 @@ def _storages_bytes(tensors) -> int:
     return total
 
 
-def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
+def optimizer_state_bytes(model: nn.Module, optimizer="default") -> int:
     """The bytes the optimizer's states will take that are not allocated yet, as
     `ckpt_offload.sizing.recipe` counts them (the estimate counts through the same functions).
 
     Args:
         model: its parameters with `requires_grad` are the trainable ones.
-        optimizer: a transformers `optim` name (`"adamw"`, `"adamw_torch"`, `"adamw_bnb_8bit"`,
-            `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`), `"none"` or None (zero), a
+        optimizer: a transformers `optim` name (`"adamw_torch"`, `"adamw_torch_fused"`, `"adamw_bnb_8bit"`,
+            `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`; the default, `"default"`, is the Trainer's
+            default, `recipe.default_optim()`), `"none"` or None (zero), a
             `ckpt_offload.sizing.recipe.Recipe`, or a `torch.optim.Optimizer` (accelerate's wrapper looked
             through): only its parameters whose state is still empty count, each as that optimizer
             allocates it (AdamW two states in the parameter's dtype, three with amsgrad; SGD one
@@ -145,9 +146,8 @@ def optimizer_state_bytes(model: nn.Module, optimizer="adamw") -> int:
     if isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
         return _recipe.pending_state_bytes(optimizer)
     r = _as_recipe(optimizer)
-    return sum(_recipe.state_bytes(_recipe.local_part(p), r.optim, amsgrad=r.amsgrad, momentum=r.momentum,
-                                   dtype=r.dtype)
-               for p in model.parameters() if p.requires_grad)
+    built = _recipe._model_dtype(model)
+    return sum(_recipe.optimizer_bytes(_recipe.local_part(p), r, built)[0] for p in model.parameters() if p.requires_grad)
 
 
 def _as_recipe(optimizer):
@@ -162,7 +162,7 @@ def _as_recipe(optimizer):
         raise ValueError(f"budget='auto': {e}") from None
 
 
-def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
+def optimizer_step_bytes(model: nn.Module, optimizer="default") -> int:
     """What the optimizer's step will need beyond what the device holds now, as the estimate counts
     its step: the gradients still to come (of the parameters with `requires_grad` and no `.grad`),
     the states not yet allocated (`optimizer_state_bytes`) and the step's temporaries
@@ -180,7 +180,8 @@ def optimizer_step_bytes(model: nn.Module, optimizer="adamw") -> int:
         temps = _recipe.pending_step_temp_bytes(optimizer)
     else:
         r = _as_recipe(optimizer)
-        temps = sum(_recipe.step_temp_bytes(t, r.optim, dtype=r.dtype) for t in local)
+        built = _recipe._model_dtype(model)
+        temps = sum(_recipe.optimizer_bytes(t, r, built)[1] for t in local)
     return grads + states + temps
 
 
@@ -189,7 +190,7 @@ def host_budget_bytes(fraction: float = HOST_FRACTION):
     return hostmem.host_share_bytes(fraction)
 
 
-def auto_budget(model: nn.Module, *, optimizer="adamw", margin_bytes=None, device=None, pinned_bytes=0) -> AutoBudget:
+def auto_budget(model: nn.Module, *, optimizer="default", margin_bytes=None, device=None, pinned_bytes=0) -> AutoBudget:
     """The device and host budgets `budget="auto"` plans with, for `model` on its device now.
 
     Args:

@@ -230,7 +230,8 @@ def config_dtype(config_path):
     return _DTYPES[name.lower()]
 
 
-def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto", lora=None, adapter_dtype=None):
+def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto", lora=None, adapter_dtype=None,
+                lora_source=None):
     """(model on meta, its name, the torch dtype) from a config.json, in the dtype the step computes
     in. lora: peft.LoraConfig keyword arguments (lora_rank: r, the targets every linear projection
     of the blocks unless lora names them)."""
@@ -239,7 +240,10 @@ def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto", 
     import transformers
 
     transformers.logging.set_verbosity_error()  # no notes about use_cache under checkpointing
-    cfg = transformers.AutoConfig.from_pretrained(config_path)
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(config_path)
+    except Exception as e:  # noqa: BLE001 - transformers' validation (its strict dataclass errors are no ValueError)
+        raise _ConfigError(f"transformers refuses it: {_one_line(e)}") from None
     name = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
     if dtype_name is None:
         dtype_name = config_dtype(config_path)
@@ -256,13 +260,17 @@ def build_model(config_path, dtype_name=None, lora_rank=None, attention="auto", 
                              f"in transformers (AutoModelForCausalLM); the estimate sizes decoder-only language "
                              f"models (an encoder-decoder such as T5 is not one)") from None
         if lora_rank or lora:
-            model = _lora(model, dict(lora or {}, **({"r": lora_rank} if lora_rank else {})), adapter_dtype)
+            if lora is None or isinstance(lora, dict):
+                lora = dict(lora or {}, **({"r": lora_rank} if lora_rank else {}))
+            model = _lora(model, lora, adapter_dtype, lora_source)
     return model, name, dtype
 
 
-def _lora(model, kw, adapter_dtype=None):
-    """peft LoRA with these LoraConfig arguments; the targets by default every linear projection
-    inside the repeated blocks (attention and MLP). peft upcasts the adapters to fp32 unless
+def _lora(model, lora, adapter_dtype=None, lora_source=None):
+    """peft LoRA on `model`: a `peft.LoraConfig` as read from --peft-config (applied as peft applies
+    it), or LoraConfig keyword arguments from the options (the targets by default every linear
+    projection inside the repeated blocks, attention and MLP). Every name in the options' targets
+    must match a module, as peft matches them. peft upcasts the adapters to fp32 unless
     adapter_dtype says otherwise."""
     import peft
     import torch
@@ -270,13 +278,27 @@ def _lora(model, kw, adapter_dtype=None):
 
     from ..model import find_repeated_blocks
 
-    kw = dict(kw)
-    kw.setdefault("r", 8)
-    kw.setdefault("lora_alpha", 2 * kw["r"])
-    if not kw.get("target_modules"):
-        kw["target_modules"] = sorted({name.rsplit(".", 1)[-1] for b in find_repeated_blocks(model)
-                                       for name, m in b.named_modules() if isinstance(m, nn.Linear)})
-    model = peft.get_peft_model(model, peft.LoraConfig(**kw), autocast_adapter_dtype=adapter_dtype in (None, "fp32"))
+    where = "--peft-config" if lora_source is None else f"--peft-config {lora_source!r}"
+    if isinstance(lora, dict):
+        where = "--lora-rank/--lora-targets"
+        kw = dict(lora)
+        kw.setdefault("r", 8)
+        kw.setdefault("lora_alpha", 2 * kw["r"])
+        if not kw.get("target_modules"):
+            kw["target_modules"] = sorted({name.rsplit(".", 1)[-1] for b in find_repeated_blocks(model)
+                                           for name, m in b.named_modules() if isinstance(m, nn.Linear)})
+        try:
+            lora = peft.LoraConfig(**kw)
+        except (ValueError, TypeError) as e:
+            raise _UsageError(f"{where}: peft refuses it: {_one_line(e)}") from None
+    targets = lora.target_modules
+    if isinstance(targets, (list, set, tuple)) and targets:
+        _check_targets(model, sorted(targets), "--lora-targets" if not where.startswith("--peft-config") else
+                       "--peft-config target_modules")
+    try:
+        model = peft.get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype in (None, "fp32"))
+    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError) as e:
+        raise _UsageError(f"{where}: peft cannot apply it to this model: {_one_line(e)}") from None
     if adapter_dtype not in (None, "fp32"):
         target = getattr(torch, _DTYPES[adapter_dtype])
         for p in model.parameters():
@@ -285,13 +307,37 @@ def _lora(model, kw, adapter_dtype=None):
     return model
 
 
+def _one_line(err):
+    return " ".join(str(err).split())[:300]
+
+
+def _check_targets(model, targets, option):
+    """Each of `targets` matches a module of `model`, as peft matches a target name
+    (`check_target_module_exists`); one that matches none is refused with the close names."""
+    import difflib
+
+    import peft
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    names = [n for n, _ in model.named_modules() if n]
+    for t in targets:
+        probe = peft.LoraConfig(target_modules=[t])
+        if not any(check_target_module_exists(probe, n) for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+            close = difflib.get_close_matches(t, leaves, n=3)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise _UsageError(f"{option}: {t!r} matches no module of the model{hint}")
+
+
 class _ConfigError(ValueError):
     pass
 
 
 def resolve(args):
     """The options, --training-args and --peft-config merged (the options win) into
-    (seq, batch, compute dtype name or None, Recipe, LoraConfig kwargs or None, the selected mode or None)."""
+    (seq, batch, compute dtype name or None, Recipe, LoraConfig (or its keyword arguments) or None,
+    (the run's configuration row keywords or None, where they came from, why the file's was not sized or
+    None), the job (launch.job), notes of what is not counted)."""
     from . import recipe as _recipe
     from . import recipe_files
 
@@ -302,7 +348,30 @@ def resolve(args):
     except launch.LaunchError as e:
         raise _UsageError(str(e)) from None
     ranks = job["ranks"]
-    ta = recipe_files.training_args(args.training_args, ranks or 1) if args.training_args else {}
+    name = args.optim or args.optimizer
+    if name is not None and name.lower() != "none":
+        name = _recipe._ALIASES.get(name.lower(), name)
+    overrides = {}
+    if name is not None and name.lower() != "none":
+        overrides["optim"] = name
+    if args.optim_args is not None:
+        if name is not None and name.lower() == "none":
+            raise _UsageError(f"--optim-args {args.optim_args!r}: --optim none builds no optimizer to take them")
+        overrides["optim_args"] = args.optim_args
+    notes = []
+    if args.training_args:
+        ta = recipe_files.training_args(args.training_args, ranks or 1, job.get("ranks_per_node"),
+                                        overrides=overrides)
+        notes += ta["notes"]
+        optim = {k: ta[k] for k in ("optim", "amsgrad", "momentum", "centered") if k in ta}
+    else:
+        ta = {}
+        optim, more = recipe_files.optimizer_of(overrides.get("optim"), overrides.get("optim_args"))
+        notes += more
+    if name is not None and name.lower() == "none":
+        optim = {"optim": "none"}
+    elif name is None and not ta.get("optim_given"):
+        notes.append(f"optimizer {optim['optim']}: the Trainer's default (transformers' TrainingArguments.optim)")
     shard = args.shard or ta.get("shard")
     if shard is None and job["shard_kind"] is not None:
         shard = f"{job['shard_kind']}:{ranks or 1}"
@@ -316,11 +385,7 @@ def resolve(args):
     seq = args.seq if args.seq is not None else ta.get("seq")
     if seq is None:
         raise _UsageError("--seq is required (or a max_length in --training-args)")
-    batch = args.batch if args.batch is not None else ta.get("batch", 1)
-    optim = args.optim or args.optimizer or ta.get("optim") or "adamw_torch"
-    extra = recipe_files.parse_optim_args(args.optim_args) if args.optim_args else {}
-    amsgrad = extra.get("amsgrad", ta.get("amsgrad", False))
-    momentum = extra.get("momentum", ta.get("momentum", 0.0))
+    batch = args.batch if args.batch is not None else (ta.get("batch") or 1)
     autocast = args.autocast or ta.get("autocast")
     weights = args.dtype or config_dtype(args.config)
     if autocast is not None and weights is not None and _DTYPES[weights] == "float32":
@@ -328,19 +393,29 @@ def resolve(args):
     else:
         # Pure precision: autocast over weights already in its dtype changes nothing.
         compute, master, autocast = None, weights, None
-    lora = recipe_files.peft_config(args.peft_config) if args.peft_config else None
+    lora = None
+    if args.peft_config:
+        lora, more = recipe_files.peft_config(args.peft_config)
+        notes += more
     if args.lora_targets or args.lora_dropout is not None or args.lora_rank:
-        lora = dict(lora or {})
+        changes = {}
         if args.lora_targets:
-            lora["target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+            changes["target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         if args.lora_dropout is not None:
-            lora["lora_dropout"] = args.lora_dropout
+            changes["lora_dropout"] = args.lora_dropout
+        if lora is None:
+            lora = changes
+        else:
+            if args.lora_rank:
+                changes["r"] = args.lora_rank
+            import dataclasses
+
+            lora = dataclasses.replace(lora, **changes)
     if args.quantize and not (lora or args.lora_rank):
         raise _UsageError("--quantize freezes the base weights: give LoRA adapters too (--lora-rank or --peft-config)")
     try:
-        recipe = _recipe.Recipe(optim=optim, amsgrad=amsgrad, momentum=momentum,
-                                dtype=master if autocast else None, autocast=compute,
-                                loss=args.loss or ta.get("loss", "transformers"),
+        recipe = _recipe.Recipe(**optim, dtype=master if autocast else None, autocast=compute,
+                                loss=args.loss or ta.get("loss") or "transformers",
                                 grads=args.grads or ta.get("grads", "kept"), quantize=args.quantize,
                                 shard=shard)
     except ValueError as e:
@@ -348,15 +423,25 @@ def resolve(args):
     # fp32 master weights under autocast: built in fp32, the step run as autocast runs it. Sharded (FSDP's
     # and DeepSpeed's mixed precision), the weights are gathered in the compute dtype: built in it.
     build_dtype = autocast if autocast and recipe.shard else weights
-    run_config, source = configuration(args, ta.get("configuration"))
+    # The file's checkpointing, as the keywords of the row that sizes it; one it does not size is said,
+    # never mapped to another row.
+    from_file = refused = None
+    if args.training_args:
+        try:
+            from_file = recipe_files.row_for_configuration(ta.get("configuration"))
+        except recipe_files.UnsizedConfiguration as e:
+            refused = str(e)
+    run_config, source = configuration(args, from_file)
     if run_config is not None:
         from .estimate import configuration_row
 
         try:
             configuration_row(None, **run_config, where=f"your run ({source})")
         except ValueError as e:
-            raise _UsageError(str(e)) from None
-    return seq, batch, build_dtype, recipe, lora, (run_config, source), job
+            if source != "--training-args":
+                raise _UsageError(str(e)) from None
+            run_config, source, refused = None, None, str(e)
+    return seq, batch, build_dtype, recipe, lora, (run_config, source, refused), job, notes
 
 
 def run(args, progress=None):
@@ -367,12 +452,12 @@ def run(args, progress=None):
     from .estimate import estimate_memory
 
     progress = progress or _Progress(quiet=True)
-    seq, batch, build_dtype, recipe, lora, (run_config, source), job = resolve(args)
+    seq, batch, build_dtype, recipe, lora, (run_config, source, refused), job, notes = resolve(args)
     cp = job["cp"]
     seq_rank = -(-seq // cp)  # context parallelism: this rank's part of the sequence
     progress("building the model on the meta device")
     model, name, dtype = build_model(args.config, build_dtype, args.lora_rank, args.attention, lora=lora,
-                                     adapter_dtype=args.adapter_dtype)
+                                     adapter_dtype=args.adapter_dtype, lora_source=args.peft_config)
     _check_numel(model, batch, seq_rank)
     described = recipe.describe(dtype)
     if cp > 1:
@@ -381,13 +466,32 @@ def run(args, progress=None):
     if lora or args.lora_rank:
         kinds = sorted({str(p.dtype).replace("torch.", "") for p in adapters})
         cfg = getattr(model, "peft_config", {}).get("default")
-        targets = ",".join(sorted(cfg.target_modules)) if cfg is not None else "?"
+        targets = "?" if cfg is None else cfg.target_modules if isinstance(cfg.target_modules, str) else \
+            ",".join(sorted(cfg.target_modules or []))
+        if cfg is not None and getattr(cfg, "target_parameters", None):
+            targets += f" and parameters {','.join(cfg.target_parameters)}"
+        if cfg is not None and getattr(cfg, "modules_to_save", None):
+            targets += f" (trained whole: {','.join(cfg.modules_to_save)})"
+        if cfg is not None and getattr(cfg, "use_dora", False):
+            targets += ", DoRA"
         described += (f"; LoRA r={cfg.r if cfg is not None else '?'} on {targets}, adapters "
                       f"{'/'.join(kinds)}, dropout {cfg.lora_dropout if cfg is not None else 0}")
     ids = torch.empty(batch, seq_rank, dtype=torch.long, device="meta")
     progress(f"estimating batch {batch} x {seq_rank} tokens")
     attention = None if args.attention in ("auto", "eager") else args.attention
-    est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
+    try:
+        est = estimate_memory(model, {"input_ids": ids, "labels": ids}, attention=attention, recipe=recipe)
+    except (ValueError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "overflow" in str(e):
+            raise  # torch's limit on a tensor's size: the length's, said by main()
+        files = " with ".join(f"{o} {v!r}" for o, v in (("--config", args.config), ("--training-args", args.training_args),
+                                                      ("--peft-config", args.peft_config)) if v)
+        cfg = getattr(model, "peft_config", {}).get("default")
+        why = ("; peft's LoRA on parameters (target_parameters) runs under torch.autocast, which torch refuses on "
+               "the meta device the estimate builds on" if getattr(cfg, "target_parameters", None)
+               and isinstance(e, RuntimeError) else "")
+        raise _UsageError(f"the estimate cannot size the step of {files}: {type(e).__name__}: {_one_line(e)}{why}") \
+            from None
     device, host, ranks = _hardware(args, job)
     # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
     host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
@@ -463,6 +567,7 @@ def run(args, progress=None):
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "max_seq": est.max_seq, "sources": _sources(args),
             "recipe": described, "your_run": your_run, "why_nothing_fits": why,
+            "configuration_refused": refused, "not_counted": notes,
             "attention": est.attention, "modes": modes, "parts": est.parts,
             "optimizer_step_peak_bytes": est.step_peak_bytes}
 
@@ -541,6 +646,10 @@ def format_report(r) -> str:
         lines.append(f"longest seq: at most the {cap} positions the model takes (its max_position_embeddings)")
     if cap and r["seq"] > cap:
         lines.append(f"--seq {r['seq']} is past the {cap} positions the model takes")
+    if r.get("configuration_refused"):
+        lines.append(f"--training-args checkpointing: not sized: {r['configuration_refused']}")
+    for note in r.get("not_counted") or ():
+        lines.append(f"note: {note}")
     plan = r["modes"].get("plan")
     if plan is not None:
         lines.append(f"plan: {plan['blocks']}" + ("" if plan["fits"] else " (the smallest peak; nothing fits)"))
@@ -616,6 +725,14 @@ def main(argv=None) -> int:
         return _fail(f"--margin: {e}")
     except _UsageError as e:
         return _fail(str(e))
+    except _ConfigError as e:
+        return _fail(f"--config {args.config!r}: {e}")
+    except RuntimeError as e:
+        if "overflow" not in str(e):
+            raise
+        # torch's own limit on a tensor's elements, met inside the model (an [s, s] mask, say).
+        return _fail(f"--seq {args.seq}" + (f" / --batch {args.batch}" if args.batch else "") + f": torch cannot make this step's tensors "
+                     f"({_one_line(e)}); use a smaller --seq or --batch")
     except ValueError as e:
         if type(e).__name__ == "RecipeFileError":
             return _fail(str(e))
@@ -626,7 +743,8 @@ def main(argv=None) -> int:
         return _fail(f"--config {args.config!r}: {e}")
     if args.json:
         out = {k: report[k] for k in ("model", "seq", "batch", "max_seq", "device_margin_bytes", "host_share_bytes",
-                                      "recipe", "your_run", "why_nothing_fits")}
+                                      "recipe", "your_run", "configuration_refused", "not_counted",
+                                      "why_nothing_fits")}
         out["modes"] = {m: (None if row is None else {k: row[k] for k in (
             "device_peak_bytes", "host_bytes_per_rank", "host_bytes_per_node", "fits", "longest_seq")})
             for m, row in report["modes"].items()}

@@ -857,7 +857,7 @@ def _resized(inputs, seq, new):
     return torch.utils._pytree.tree_map(one, inputs)
 
 
-def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss_fn=None, attention=None,
+def estimate_memory(model: nn.Module, example_inputs, *, optimizer="default", loss_fn=None, attention=None,
                     recipe=None) -> MemoryEstimate:
     """The memory of one training step of `model` on `example_inputs`, sized on the meta device.
 
@@ -872,8 +872,10 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
             (`requires_grad`) get gradients and optimizer states.
         example_inputs: the model's positional arguments (a tuple) or keyword arguments (a dict),
             meta tensors; dimension 0 is the batch, dimension 1 the sequence.
-        optimizer: a transformers `optim` name (`"adamw"` is `"adamw_torch"`: two states per
-            trainable element in the parameter's dtype), or None; the recipe's, when `recipe` is given.
+        optimizer: a transformers `optim` name (the default, `"default"`, is the Trainer's default for
+            the installed transformers and torch, `recipe.default_optim()`; `"adamw"` is
+            `"adamw_torch"`: two states per trainable element in the parameter's dtype), or None;
+            the recipe's, when `recipe` is given.
         loss_fn: `output -> scalar` (default: `output.loss` when there is one, else the mean of the
             squared output). A transformers model that takes `labels` and is given none is sized
             with `labels=input_ids`: its own causal-LM loss, as `python -m ckpt_offload estimate`
@@ -910,7 +912,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="adamw", loss
             raise ValueError(f"estimate_memory: {e}") from None
     elif not isinstance(recipe, _recipe.Recipe):
         raise TypeError(f"estimate_memory: recipe must be a ckpt_offload.sizing.recipe.Recipe, got {type(recipe).__name__}")
-    elif optimizer != "adamw" and _recipe.optim_name(optimizer) != recipe.optim:
+    elif optimizer != _recipe.DEFAULT_OPTIM and _recipe.optim_name(optimizer) != recipe.optim:
         raise ValueError(f"estimate_memory: optimizer={optimizer!r} and recipe.optim={recipe.optim!r} disagree; "
                          f"give the optimizer in the recipe")
     if recipe.loss != "transformers" and loss_fn is not None:

@@ -12,7 +12,7 @@ from .estimate import estimate_memory
 
 
 def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None, host_budget_bytes=None,
-                modes=None, verbose: bool = False, optimizer="adamw") -> MemoryPlan:
+                modes=None, verbose: bool = False, optimizer="default") -> MemoryPlan:
     """Profiles `model`'s repeated blocks on one batch and chooses a mode for each block: the
     assignment with the lowest predicted step time whose predicted peak fits `budget_bytes`.
 
@@ -47,7 +47,7 @@ def plan_memory(model: nn.Module, example_inputs, budget_bytes, *, loss_fn=None,
             at a nominal rate), with `"none"`, `"checkpoint"` and `"checkpoint+offload"`.
         verbose: print one line per profiled mode, and the choice, on stderr.
         optimizer: with `"auto"`, the optimizer whose states are counted before they exist:
-            `"adamw"` (default), `"sgd"`, None, or the `torch.optim.Optimizer` itself.
+            `"default"` (the Trainer's default, `recipe.default_optim()`), `"adamw_torch"`, `"sgd"`, None, or the `torch.optim.Optimizer` itself.
 
     Returns:
         MemoryPlan: the chosen modes and their predictions; `replan(budget)` chooses again for

@@ -4,6 +4,7 @@ quantized base weights, sharding. The one place that says how many bytes each of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -23,11 +24,16 @@ _OPTIMS = {
     "paged_adamw_32bit": (2, "fp32"), "paged_adamw": (2, "fp32"),
     "lion_8bit": (1, "8bit"), "paged_lion_8bit": (1, "8bit"), "lion_32bit": (1, "fp32"),
     "paged_lion_32bit": (1, "fp32"),
+    "rmsprop_bnb": (1, "fp32"), "rmsprop_bnb_32bit": (1, "fp32"), "rmsprop_bnb_8bit": (1, "8bit"),
+    "ademamix": (3, "fp32"), "paged_ademamix_32bit": (3, "fp32"), "ademamix_8bit": (3, "8bit"),
+    "paged_ademamix_8bit": (3, "8bit"),
     "adafactor": (1, "factored"), "adagrad": (1, "param"), "rmsprop": (1, "param"),
     "sgd": (0, "param"), "none": (0, "param"),
 }
 _ALIASES = {"adamw": "adamw_torch", "adam": "adamw_torch"}
-OPTIMS = tuple(sorted([*_OPTIMS, *_ALIASES]))
+# The optimizer a Trainer builds when its TrainingArguments name none: `optim_name(DEFAULT_OPTIM)`.
+DEFAULT_OPTIM = "default"
+OPTIMS = tuple(sorted([*_OPTIMS, *_ALIASES, DEFAULT_OPTIM]))
 BNB_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer states
 BNB_MIN_8BIT = 4096  # smaller tensors keep 32-bit states
 NF4_BLOCK = 64  # bitsandbytes' 4-bit weights: one absmax per 64 elements
@@ -50,11 +56,27 @@ def dtype_of(value, what="dtype"):
     return _DTYPES[key]
 
 
+@functools.lru_cache(maxsize=None)
+def default_optim() -> str:
+    """The optimizer a transformers Trainer builds when its TrainingArguments name none: the default of
+    the installed transformers' `TrainingArguments.optim` (`"adamw_torch_fused"` on torch >= 2.8),
+    read off the dataclass; `"adamw_torch"` (torch's `AdamW(params)`) where transformers is absent."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return "adamw_torch"
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    return str(getattr(default, "value", default))
+
+
 def optim_name(name) -> str:
-    """transformers' `optim` name for a name this package takes (None: "none")."""
+    """transformers' `optim` name for a name this package takes (None: "none"; `"default"`: the
+    Trainer's default, `default_optim()`)."""
     if name is None:
         return "none"
-    key = str(name).lower()
+    key = str(getattr(name, "value", name)).lower()
+    if key == DEFAULT_OPTIM:
+        key = default_optim()
     key = _ALIASES.get(key, key)
     if key not in _OPTIMS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMS)} or None, got {name!r}")
@@ -65,7 +87,8 @@ def _blockwise_8bit(numel):
     return numel + 4 * math.ceil(numel / BNB_BLOCK)
 
 
-def state_bytes(param: torch.Tensor, optim="adamw_torch", *, amsgrad=False, momentum=0.0, dtype=None) -> int:
+def state_bytes(param: torch.Tensor, optim="adamw_torch", *, amsgrad=False, momentum=0.0, centered=False,
+                dtype=None) -> int:
     """The bytes of the optimizer's states for one parameter, as the optimizer allocates them.
 
     Args:
@@ -73,6 +96,7 @@ def state_bytes(param: torch.Tensor, optim="adamw_torch", *, amsgrad=False, mome
         optim: a transformers `optim` name (`recipe.OPTIMS`).
         amsgrad: AdamW's third state (the running maximum of the second moment).
         momentum: SGD's and RMSprop's momentum; above 0 one more state.
+        centered: RMSprop's running mean of the gradients, one more state.
         dtype: the parameter's dtype as the run holds it (default: `param.dtype`).
     """
     name = optim_name(optim)
@@ -82,6 +106,8 @@ def state_bytes(param: torch.Tensor, optim="adamw_torch", *, amsgrad=False, mome
     if name.startswith("adamw") or name == "paged_adamw_8bit" or name == "paged_adamw_32bit":
         count += 1 if amsgrad else 0
     if name in ("sgd", "rmsprop") and momentum:
+        count += 1
+    if name == "rmsprop" and centered:
         count += 1
     if count == 0:
         return 0
@@ -135,27 +161,49 @@ def _unwrap(optimizer):
     return optimizer
 
 
-def _optim_of(optimizer):
-    """(transformers' optim name, whether it is a guess) for a live optimizer object."""
-    cls = type(optimizer)
+def optim_of_class(cls, kwargs=None):
+    """The recipe's optimizer fields (`optim`, `amsgrad`, `momentum`, `centered`) for an optimizer
+    class and the keyword arguments it is built with (as `Trainer.get_optimizer_cls_and_kwargs`
+    returns them, or a live optimizer's defaults), or None for a class whose states this module does
+    not know. torch's AdamW/Adam (fused: no step temporaries), SGD, Adagrad, RMSprop, transformers'
+    Adafactor and bitsandbytes' AdamW, Lion, RMSprop and AdEMAMix (8-bit or 32-bit by `optim_bits`)."""
+    kw = dict(kwargs or {})
     name, module = cls.__name__.lower(), cls.__module__
     if module.startswith("bitsandbytes"):
-        eight = "8bit" in name
+        bits = kw.get("optim_bits", 8 if "8bit" in name else 32)
+        eight = bits == 8
+        if "ademamix" in name:
+            return dict(optim="ademamix_8bit" if eight else "ademamix")
         if "lion" in name:
-            return ("lion_8bit" if eight else "lion_32bit"), False
+            return dict(optim="lion_8bit" if eight else "lion_32bit")
+        if "rmsprop" in name:
+            return dict(optim="rmsprop_bnb_8bit" if eight else "rmsprop_bnb_32bit")
         if "adam" in name:
-            return ("adamw_bnb_8bit" if eight else "paged_adamw_32bit"), False
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return "adamw_torch", False
-    if isinstance(optimizer, torch.optim.SGD):
-        return "sgd", False
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return "adagrad", False
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return "rmsprop", False
+            return dict(optim="adamw_bnb_8bit" if eight else "paged_adamw_32bit")
+        return None
+    if not isinstance(cls, type):
+        return None
+    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        return dict(optim="adamw_torch_fused" if kw.get("fused") else "adamw_torch",
+                    amsgrad=bool(kw.get("amsgrad", False)))
+    if issubclass(cls, torch.optim.SGD):
+        return dict(optim="sgd", momentum=float(kw.get("momentum", 0) or 0))
+    if issubclass(cls, torch.optim.Adagrad):
+        return dict(optim="adagrad")
+    if issubclass(cls, torch.optim.RMSprop):
+        return dict(optim="rmsprop", momentum=float(kw.get("momentum", 0) or 0), centered=bool(kw.get("centered")))
     if name == "adafactor" and module.startswith("transformers"):
-        return "adafactor", False
-    return "adamw_torch", True  # two states in the parameter's dtype: an upper bound for most
+        return dict(optim="adafactor")
+    return None
+
+
+def _optim_of(optimizer):
+    """(transformers' optim name, whether it is a guess) for a live optimizer object."""
+    known = optim_of_class(type(optimizer), getattr(optimizer, "defaults", None))
+    if known is None:
+        return "adamw_torch", True  # two states in the parameter's dtype: an upper bound for most
+    # A fused AdamW is told by its groups (pending_step_temp_bytes): its states are AdamW's.
+    return ("adamw_torch" if known["optim"] == "adamw_torch_fused" else known["optim"]), False
 
 
 def local_part(param: torch.Tensor) -> torch.Tensor:
@@ -175,7 +223,7 @@ def pending_state_bytes(optimizer) -> int:
         for p in g["params"]:
             if p.requires_grad and not optimizer.state.get(p):
                 total += state_bytes(local_part(p), name, amsgrad=bool(g.get("amsgrad", False)),
-                                     momentum=g.get("momentum", 0) or 0)
+                                     momentum=g.get("momentum", 0) or 0, centered=bool(g.get("centered", False)))
     return total
 
 
@@ -235,9 +283,12 @@ class Recipe:
 
     Attributes:
         optim: transformers' `optim` name (`"adamw_torch"`, `"adamw_torch_fused"`, `"adamw_bnb_8bit"`,
-            `"paged_adamw_8bit"`, `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`) or `"none"`.
+            `"paged_adamw_8bit"`, `"adafactor"`, `"sgd"`, ...; `recipe.OPTIMS`) or `"none"`; the default,
+            `"default"`, is the Trainer's default for the installed transformers and torch
+            (`default_optim()`: `"adamw_torch_fused"` on torch >= 2.8).
         amsgrad: AdamW keeps a third state.
-        momentum: SGD's momentum (above 0: one state; transformers' `"sgd"` has none).
+        momentum: SGD's and RMSprop's momentum (above 0: one state; transformers' `"sgd"` has none).
+        centered: RMSprop keeps the gradients' running mean, one more state.
         dtype: the weights' dtype (None: as the model is built). With `autocast`, `torch.float32`:
             fp32 master weights, gradients and states, the step computed in `autocast`.
         autocast: the dtype the step computes in under torch.autocast, or None (pure `dtype`).
@@ -255,9 +306,10 @@ class Recipe:
             `"zero1:N"` (states divided).
     """
 
-    optim: str = "adamw_torch"
+    optim: str = DEFAULT_OPTIM
     amsgrad: bool = False
     momentum: float = 0.0
+    centered: bool = False
     dtype: torch.dtype | None = None
     autocast: torch.dtype | None = None
     loss: str = "transformers"
@@ -313,7 +365,8 @@ class Recipe:
             precision = f"fp32 master weights, autocast {name(self.autocast)}"
         else:
             precision = f"pure {name(w)} (weights, gradients and states)"
-        opt = self.optim + (" amsgrad" if self.amsgrad else "") + (f" momentum {self.momentum}" if self.momentum else "")
+        opt = self.optim + (" amsgrad" if self.amsgrad else "") + (f" momentum {self.momentum}" if self.momentum else "") \
+            + (" centered" if self.centered else "")
         loss = {"transformers": "transformers' (whole logits + fp32 copy)", "fused": "fused linear cross-entropy",
                 }.get(self.loss, f"chunked cross-entropy, {self.loss_kind[1]} chunks")
         parts = [precision, f"optimizer {opt}", f"loss {loss}", f"gradients {self.grads}"]
@@ -325,12 +378,49 @@ class Recipe:
         return "; ".join(parts)
 
 
+def head_modules(model) -> set:
+    """The output head's modules: the head itself and, where peft wraps it (`modules_to_save`), the
+    frozen original and the trained copy inside. bitsandbytes quantizes none of them."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return set(head.modules()) if isinstance(head, nn.Module) else set()
+
+
+def head_linear(head):
+    """The nn.Linear that computes the output head: the head, or the trained copy peft's
+    `modules_to_save` wrapper runs (its active adapter's); None for another head."""
+    if isinstance(head, nn.Linear):
+        return head
+    copies = getattr(head, "modules_to_save", None)
+    active = getattr(head, "active_adapters", None) or [getattr(head, "active_adapter", None)]
+    if isinstance(copies, nn.ModuleDict) and active and active[0] in copies and isinstance(copies[active[0]], nn.Linear):
+        return copies[active[0]]
+    return None
+
+
 def _is_quantized(model, module, param_name):
     """bitsandbytes replaces every nn.Linear but the output head; LoRA's own layers come after it."""
     if param_name != "weight" or not isinstance(module, nn.Linear):
         return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return module is not head and not module.weight.requires_grad
+
+
+def held_dtype(param, recipe: Recipe, built=None):
+    """The dtype the run holds `param` in under `recipe`: the recipe's `dtype` for the parameters
+    built in the model's own dtype (`built`), their own dtype for the rest (adapters peft upcast to fp32)."""
+    if recipe.dtype is not None and (built is None or param.dtype == built):
+        return recipe.dtype
+    return param.dtype
+
+
+def optimizer_bytes(param, recipe: Recipe, built=None):
+    """(state bytes, step temporary bytes) of one trainable parameter under `recipe`, in the dtype
+    the run holds it (`held_dtype`): the one count behind the estimate's `static_parts` and
+    `budget="auto"`."""
+    dtype = held_dtype(param, recipe, built)
+    return (state_bytes(param, recipe.optim, amsgrad=recipe.amsgrad, momentum=recipe.momentum,
+                        centered=recipe.centered, dtype=dtype),
+            step_temp_bytes(param, recipe.optim, dtype=dtype))
 
 
 def _blocks_params(blocks):
@@ -349,16 +439,16 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
     built = _model_dtype(model)
     weights = grads = states = step = 0
     dequant = 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head_modules(model)
     seen = set()
     for mod in model.modules():
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            dtype = recipe.dtype if recipe.dtype is not None and p.dtype == built else p.dtype
+            dtype = held_dtype(p, recipe, built)
             size = torch.empty((), dtype=dtype, device="meta").element_size()
-            if recipe.quantize and pname == "weight" and isinstance(mod, nn.Linear) and mod is not head \
+            if recipe.quantize and pname == "weight" and isinstance(mod, nn.Linear) and mod not in head \
                     and not p.requires_grad:
                 weights += quantized_bytes(p, recipe.quantize, recipe.double_quant)
                 dequant = max(dequant, p.numel() * (recipe.compute_dtype or built).itemsize)
@@ -366,8 +456,9 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
             weights += p.numel() * size
             if p.requires_grad:
                 grads += p.numel() * size
-                states += state_bytes(p, recipe.optim, amsgrad=recipe.amsgrad, momentum=recipe.momentum, dtype=dtype)
-                step += step_temp_bytes(p, recipe.optim, dtype=dtype)
+                s, t = optimizer_bytes(p, recipe, built)
+                states += s
+                step += t
     kind, n = _parse_shard(recipe.shard)
     in_flight = dequant
     if kind in ("fsdp", "zero3"):
@@ -441,22 +532,24 @@ class loss_on_head:
         if kind == "transformers":
             return self
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"loss={self.recipe.loss!r} needs a model whose get_output_embeddings() is an nn.Linear")
+        linear = head_linear(head)
+        if linear is None:
+            raise ValueError(f"loss={self.recipe.loss!r} needs a model whose get_output_embeddings() is an nn.Linear "
+                             f"(or peft's modules_to_save copy of one)")
         self.head = head
 
         def forward(hidden):
             h = hidden.reshape(-1, hidden.shape[-1])
             labels = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
-            vocab = head.weight.shape[0]
+            vocab = linear.weight.shape[0]
             if kind == "fused":
                 rows = min(h.shape[0], fused_chunk_rows(h.shape[0], h.shape[1], vocab))
                 self.logits_bytes = rows * vocab * h.element_size()
-                self.loss = _FusedLinearCE.apply(h, head.weight, rows)
+                self.loss = _FusedLinearCE.apply(h, linear.weight, rows)
             else:
                 total, self.logits_bytes = None, 0
                 for part, lab in zip(h.chunk(chunks), labels.chunk(chunks)):
-                    logits = nn.functional.linear(part, head.weight, head.bias).float()
+                    logits = nn.functional.linear(part, linear.weight, linear.bias).float()
                     self.logits_bytes += logits.numel() * 4
                     one = nn.functional.cross_entropy(logits, lab, reduction="sum")
                     total = one if total is None else total + one
