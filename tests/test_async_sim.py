@@ -83,6 +83,8 @@ def test_copies_are_in_flight_and_every_byte_comes_back(monkeypatch):
 
 def test_reused_blocks_keep_their_data(monkeypatch):
     # Blocks go back to the pool and are reused at once while other copies are still queued.
+    """PITFALLS 15: host blocks go back to the pool and are reused at once while other copies are queued:
+    every byte comes back. Fails where a block is written again before the copy reading it completed."""
     eng = sim_engine(monkeypatch, max_us=500)
     for step in range(20):
         xs = tensors(4, numel=1024 * (1 + step % 3))
@@ -142,6 +144,11 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("brk,scenario,hazard", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_each_rule_is_load_bearing(monkeypatch, brk, scenario, hazard):
+    """PITFALLS 1, 2, 15: each rule of the copy protocol, broken on purpose (CKPT_OFFLOAD_TEST_BREAK), makes
+    the simulated runtime report its hazard, and the intact protocol reports none: a source handed back
+    before its copy (1), a reload before its own offload (2), a block written while a copy still uses it
+    (15). Fails where the intact engine leaves one of these unordered, or where a rule is not
+    load-bearing."""
     pool = ckpt_offload.HostPool(pinned=False)
 
     def engines(broken):
@@ -275,6 +282,9 @@ def _run_sim(script, max_us):
 def test_checkpoint_hands_back_its_inputs_when_its_layer_ends():
     # Copies take up to 20 ms: without the hand-back at the end of each checkpoint call, its input
     # would still be held (pending) after the call and into backward.
+    """PITFALLS 1: with copies in flight, each checkpoint's input goes back to the allocator when its layer
+    ends, ordered after its copy, and gradients are bitwise. Fails where a source is handed back before its
+    copy (a hazard) or held into backward."""
     assert _run_sim(_HAND_BACK_SCRIPT, max_us=20_000).startswith("ok")
 
 
