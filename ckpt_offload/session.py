@@ -203,8 +203,8 @@ class OffloadSession:
 
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
-        records of its own forward, never those of another graph still alive. Refused under CUDA
-        graph capture (refuse_capture)."""
+        records of its own forward, never those of another graph still alive. Raises RuntimeError
+        while the current CUDA stream captures a graph."""
         refuse_capture("a forward with offload")
         if _engine._forward_hook is not None:  # the node guard, once; a host cap that follows the node
             _engine._forward_hook()
