@@ -106,6 +106,15 @@ MUTATIONS = [
         ("tests/test_reliability.py::test_user_stream",),
         gpu=True,
     ),
+    Mutation(
+        12, "producer_stream", "a saved tensor's copy ordered after today's current stream, not the stream that "
+        "produced it (inside a side-stream context: after nothing)",
+        "csrc/session_core.cpp",
+        "        on_producer.emplace(*p.stream);  // order the copy after the producer, not today's stream\n",
+        "",
+        ("tests/test_reliability.py::test_user_stream", "tests/test_checkpoint.py::test_gpu_forward_under_user_stream"),
+        gpu=True,
+    ),
     # --- Python ------------------------------------------------------------------------------------
     Mutation(
         46, "keep_alive", "a keep-alive list of every checkpoint's inputs (torchtitan #3513)",
@@ -194,7 +203,8 @@ def run_tests(tree: str, tests, env_extra) -> tuple:
         p = subprocess.run([sys.executable, "-m", "pytest", t, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu or gpu"],
                            cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
         tail = [ln for ln in p.stdout.splitlines() if ln.strip()][-1:] or [p.stderr.strip()[-200:]]
-        out[t] = (p.returncode, tail[0])
+        first = next((ln[1:].strip() for ln in p.stdout.splitlines() if ln.startswith("E ")), "")
+        out[t] = (p.returncode, tail[0] + (f"\n      first error: {first[:300]}" if p.returncode and first else ""))
     return out
 
 
@@ -225,6 +235,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"mutations: no mutation for row(s) {args.row}; --list shows them")
     gpu = has_gpu()
     log = lambda s: print(s, flush=True)  # noqa: E731
+    head = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout
+    log(f"== scripts/mutations.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip()
+        + f"  (tree {head.strip() or '?'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, GPU: {gpu})")
     failures = []
 
     py_tree = os.path.join(args.dest, "py")

@@ -82,9 +82,9 @@ def test_copies_are_in_flight_and_every_byte_comes_back(monkeypatch):
 
 
 def test_reused_blocks_keep_their_data(monkeypatch):
-    # Blocks go back to the pool and are reused at once while other copies are still queued.
     """PITFALLS 15: host blocks go back to the pool and are reused at once while other copies are queued:
     every byte comes back. Fails where a block is written again before the copy reading it completed."""
+    # Blocks go back to the pool and are reused at once while other copies are still queued.
     eng = sim_engine(monkeypatch, max_us=500)
     for step in range(20):
         xs = tensors(4, numel=1024 * (1 + step % 3))
@@ -280,11 +280,11 @@ def _run_sim(script, max_us):
 
 
 def test_checkpoint_hands_back_its_inputs_when_its_layer_ends():
-    # Copies take up to 20 ms: without the hand-back at the end of each checkpoint call, its input
-    # would still be held (pending) after the call and into backward.
     """PITFALLS 1: with copies in flight, each checkpoint's input goes back to the allocator when its layer
     ends, ordered after its copy, and gradients are bitwise. Fails where a source is handed back before its
     copy (a hazard) or held into backward."""
+    # Copies take up to 20 ms: without the hand-back at the end of each checkpoint call, its input
+    # would still be held (pending) after the call and into backward.
     assert _run_sim(_HAND_BACK_SCRIPT, max_us=20_000).startswith("ok")
 
 

@@ -637,10 +637,10 @@ class _MaskedStack(torch.nn.Module):
 
 
 def test_prefetch_counts_layers_and_a_shared_input_comes_back_with_its_last_user(test_cpu):
-    # Two positional inputs per layer, one of them (a mask) the same tensor in every layer: it is
-    # copied once and reloaded ahead of the last layer that uses it, so no reload waits.
     """PITFALLS 25: an input shared by two layers is unpacked out of pack order: it comes back with its last
     user, and prefetch counts layers. Fails where prefetch assumes reverse pack order."""
+    # Two positional inputs per layer, one of them (a mask) the same tensor in every layer: it is
+    # copied once and reloaded ahead of the last layer that uses it, so no reload waits.
     torch.manual_seed(0)
     model = _MaskedStack()
     ref = _MaskedStack()

@@ -334,13 +334,13 @@ def test_profiling_times_every_copy_and_only_then(device):
 @requires_cuda
 @pytest.mark.gpu
 def test_source_made_on_a_side_stream_is_not_reused_before_its_copy():
+    """PITFALLS 12: a source made on a side stream is not reused before its copy: the side stream is recorded
+    as a user. Fails where the copy is ordered after the compute stream only, which inside a side-stream
+    context orders it after nothing."""
     # The source is allocated on a side stream but offloaded while the (busy) main stream is
     # current, and handed back before its copy has run. The side stream allocates at once: without
     # the engine recording the main stream as a user, it would get the same memory and overwrite it
     # before the copy read it.
-    """PITFALLS 12: a source made on a side stream is not reused before its copy: the side stream is recorded
-    as a user. Fails where the copy is ordered after the compute stream only, which inside a side-stream
-    context orders it after nothing."""
     n = 1 << 22
     eng = ckpt_offload.engine_for("cuda")
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()

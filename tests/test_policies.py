@@ -111,9 +111,9 @@ def test_offload_policy_output_is_saved_through_the_engine_not_recomputed(device
 
 
 def test_torch_eager_recomputes_what_an_offload_policy_marks_and_we_do_not():
-    # What the counter catches: torch 2.14's own eager SAC runs sin again in backward.
     """PITFALLS 17: torch's eager selective checkpoint recomputes an op marked MUST_CPU_OFFLOAD; ckpt_offload
     does not. Fails where the offload policy falls through to torch's recompute."""
+    # What the counter catches: torch 2.14's own eager SAC runs sin again in backward.
     *_, torch_calls = run_torch(policy_marking(CheckpointPolicy.MUST_CPU_OFFLOAD), "cpu")
     assert torch_calls.get(SIN, 0) == 1
     *_, calls, _ = run_ours(policy_marking(CheckpointPolicy.MUST_CPU_OFFLOAD), "cpu")

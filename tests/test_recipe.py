@@ -264,10 +264,10 @@ def _json(capsys, *args):
 
 
 def test_cli_fits_only_within_the_ranks_share_budget_auto_takes(small_config, capsys):
-    # budget="auto" lets the node's ranks pin half of its available memory: a plan needing more is one
-    # the run would refuse, so the command must not call it fitting.
     """PITFALLS 36: the estimate command and budget='auto' agree on what fits. Fails where they count
     optimizer states differently."""
+    # budget="auto" lets the node's ranks pin half of its available memory: a plan needing more is one
+    # the run would refuse, so the command must not call it fitting.
     base = ("--config", small_config, "--seq", "1024", "--batch", "4", "--device-memory", "4GiB", "--ranks-per-node", "1")
     first = _json(capsys, *base, "--host-memory", "1TiB")
     need = first["modes"]["checkpoint+offload"]["host_bytes_per_node"]

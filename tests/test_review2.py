@@ -362,10 +362,10 @@ def test_allow_cache_entry_mutation_holds_for_offloaded_outputs(how):
 
 # -- weights known by storage identity, not by address -----------------------------------------------
 def test_an_activation_at_a_weight_s_former_address_is_still_offloaded():
-    # FSDP2 frees an unsharded weight after its module's forward, and the allocator may hand that
-    # address to an activation of a later module. Two storages over one buffer stand for it here.
     """PITFALLS 21: an activation allocated at a freed weight's former address is still offloaded. Fails
     where a reused address is mistaken for a live parameter."""
+    # FSDP2 frees an unsharded weight after its module's forward, and the allocator may hand that
+    # address to an activation of a later module. Two storages over one buffer stand for it here.
     import numpy as np
 
     buf = np.random.default_rng(0).standard_normal(32 * 32).astype(np.float32)
