@@ -390,7 +390,8 @@ def test_row46_two_hundred_steps_stay_flat(pattern, one_thread):
     (live0, rss0), (live1, rss1) = marks[10], marks[STEPS - 1]
     one_input = 256 * 128 * 4
     assert live1 - live0 < one_input, f"live tensor bytes grew by {live1 - live0} over {STEPS - 11} steps"
-    assert rss1 - rss0 < 24 * one_input, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over {STEPS - 11} steps"
+    # RSS also moves with the C allocator's arenas: 16 MiB of slack; one 128 KiB input kept a step is 24 MiB here.
+    assert rss1 - rss0 < 16 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over {STEPS - 11} steps"
 
 
 # --- row 49: graph capture -------------------------------------------------------------------------
