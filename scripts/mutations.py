@@ -62,8 +62,8 @@ MUTATIONS = [
         "csrc/copy_engine.cpp",
         "      if (!broken(Break::kSourceWait)) rt_->wait(p.stream, p.done);\n",
         "",
-        ("tests/test_async_sim.py::test_each_rule_is_load_bearing",
-         "tests/test_async_sim.py::test_checkpoint_hands_back_its_inputs_when_its_layer_ends"),
+        ("tests/test_pitfalls.py::test_row1_sources_go_back_to_the_allocator_ordered_after_their_copies",
+         "tests/test_async_sim.py::test_each_rule_is_load_bearing"),
     ),
     Mutation(
         2, "reload_wait", "a reload queued without waiting for its own offload's event",
@@ -97,6 +97,14 @@ MUTATIONS = [
         "          g_shared_views.fetch_add(1);\n          attach(p, rec, t, false);\n          move(rec, p.seq, p.group);\n",
         ("tests/test_pitfalls.py::test_row43_views_sharing_a_copy_come_back_in_their_own_layout",
          "tests/test_pitfalls.py::test_row43_checkpoint_inputs_that_are_views_of_one_storage"),
+    ),
+    Mutation(
+        21, "address_identity", "a handle that does not hold its storage (weakly): the storage's address, its key, "
+        "can be another storage's while a record of the old one can still match",
+        "csrc/copy_engine.cpp",
+        "  if (tensor.has_storage()) h->storage_.emplace(tensor.storage().getWeakStorageImpl());\n",
+        "",
+        ("tests/test_host_overhead.py::test_an_offloaded_storage_keeps_its_key_while_the_handle_lives",),
     ),
     Mutation(
         3, "cached_stream", "the compute stream looked up once and kept (stale under a user or FSDP2 stream)",
@@ -203,7 +211,10 @@ def run_tests(tree: str, tests, env_extra) -> tuple:
         p = subprocess.run([sys.executable, "-m", "pytest", t, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu or gpu"],
                            cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
         tail = [ln for ln in p.stdout.splitlines() if ln.strip()][-1:] or [p.stderr.strip()[-200:]]
-        first = next((ln[1:].strip() for ln in p.stdout.splitlines() if ln.startswith("E ")), "")
+        errors = [ln[1:].strip() for ln in p.stdout.splitlines() if ln.startswith("E ")]
+        # A test that runs a child process shows the child's traceback: its hazard or last error is the reason.
+        first = next((e for e in errors if "hazard (async-sim)" in e), None) or next(
+            (e for e in errors if not e.startswith(("Traceback", "File ", "^", "~"))), "")
         out[t] = (p.returncode, tail[0] + (f"\n      first error: {first[:300]}" if p.returncode and first else ""))
     return out
 

@@ -280,9 +280,6 @@ def _run_sim(script, max_us):
 
 
 def test_checkpoint_hands_back_its_inputs_when_its_layer_ends():
-    """PITFALLS 1: with copies in flight, each checkpoint's input goes back to the allocator when its layer
-    ends, ordered after its copy, and gradients are bitwise. Fails where a source is handed back before its
-    copy (a hazard) or held into backward."""
     # Copies take up to 20 ms: without the hand-back at the end of each checkpoint call, its input
     # would still be held (pending) after the call and into backward.
     assert _run_sim(_HAND_BACK_SCRIPT, max_us=20_000).startswith("ok")

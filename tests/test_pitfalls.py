@@ -196,6 +196,54 @@ def test_row43_checkpoint_inputs_that_are_views_of_one_storage():
     assert torch.equal(got, ref)
 
 
+# --- row 1: sources handed back only after (or ordered after) their copies ------------------------
+
+_SOURCES_SCRIPT = r"""
+import torch, ckpt_offload
+from torch.multiprocessing.reductions import StorageWeakRef
+assert ckpt_offload.build_info()["test_path"] == "async-sim"
+torch.manual_seed(0)
+layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()) for _ in range(4)]
+params = [p for l in layers for p in l.parameters()]
+x0 = torch.randn(256, 256)
+
+def forward(offload):
+    h, refs = x0.clone().requires_grad_(), []
+    for layer in layers:
+        inp = h * 1  # nothing but the engine holds it once the call returns
+        refs.append(StorageWeakRef(inp.untyped_storage()))
+        h = ckpt_offload.checkpoint(layer, inp, offload=offload)
+        del inp
+        if offload:
+            # The layer ended: its source went back to the allocator, though its copy (up to 50 ms
+            # here) may still be queued.
+            assert ckpt_offload.stats()["pending_sources"] == 0
+    return h.pow(2).sum(), refs
+
+loss, _ = forward(False)
+ref = torch.autograd.grad(loss, params)
+for step in range(6):
+    loss, refs = forward(True)
+    assert all(r.expired() for r in refs), "a source is still held after its layer"
+    grads = torch.autograd.grad(loss, params)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref)), f"step {step}: gradients differ"
+s = ckpt_offload.stats()
+assert s["tensors_offloaded"] == 24 == s["tensors_fetched"] and s["host_in_use_bytes"] == 0, s
+print("ok")
+"""
+
+
+def test_row1_sources_go_back_to_the_allocator_ordered_after_their_copies():
+    """PITFALLS 1: checkpoint calls on the simulated asynchronous runtime with copies of up to 50 ms:
+    each layer's input loses its last reference right after the call and goes back to the allocator
+    while its copy may still be queued; gradients are bitwise those without offload for 6 steps,
+    and the runtime reports no hazard. Fails where a source is handed back without its producer
+    being ordered after its copy ("source memory released while its copy is queued"): on a GPU
+    the caching allocator would hand that memory to the next layer before the copy read it."""
+    rc, out = _run_sim(_SOURCES_SCRIPT, max_us=50_000)
+    assert rc == 0 and out.startswith("ok"), out[-3000:]
+
+
 # --- row 44: each reload ordered after its own layer's offload -----------------------------------
 
 _ORDER_SCRIPT = r"""
