@@ -82,8 +82,6 @@ def test_copies_are_in_flight_and_every_byte_comes_back(monkeypatch):
 
 
 def test_reused_blocks_keep_their_data(monkeypatch):
-    """PITFALLS 15: host blocks go back to the pool and are reused at once while other copies are queued:
-    every byte comes back. Fails where a block is written again before the copy reading it completed."""
     # Blocks go back to the pool and are reused at once while other copies are still queued.
     eng = sim_engine(monkeypatch, max_us=500)
     for step in range(20):
