@@ -18,7 +18,7 @@ from ._args import check_keywords as _check_keywords
 from ._args import check_not_reentrant as _check_not_reentrant
 from . import policies
 from . import timeline as _timeline
-from .session import OffloadSession
+from .session import OffloadSession, refuse_capture
 
 # checkpoint()'s own names: a keyword that nearly matches one is a misspelling, not the function's.
 _OWN_NAMES = ("offload", "use_reentrant", "session", *_CHECKPOINT_KEYS)
@@ -194,6 +194,9 @@ def checkpoint(function=None, *args, offload: bool = True, use_reentrant=None, s
     _check_bool("ckpt_offload.checkpoint", "offload", offload)
     if kwargs and not torch.compiler.is_compiling():  # eager calls: the check is not traced
         check_near_misses(function, kwargs)
+        check_flags(kwargs)
+    if offload:
+        refuse_capture("ckpt_offload.checkpoint")
     warn_kwarg_tensors({k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYS})
     if offload and session is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # One session serves every call: without a boundary, a backward would reload the last
@@ -232,6 +235,23 @@ def check_near_misses(function, kwargs) -> None:
             _check_keywords("ckpt_offload.checkpoint", [name], (), own=_OWN_NAMES,
                             note=" (other keywords go to the function, but it takes no such keyword: it is "
                                  "not one of its parameters and it has no **kwargs)")
+
+
+# torch's checkpoint options that are flags: a tensor there (an activation passed one slot too far by
+# a wrapper) would be read for its truth, or fail deep in torch with an ambiguous-boolean error.
+_FLAGS = ("preserve_rng_state", "debug")
+
+
+def check_flags(kwargs) -> None:
+    """Refuses a checkpoint flag (preserve_rng_state, debug) that is not a bool, naming it: a
+    wrapper that passes an activation where torch expects the flag would otherwise have its
+    randomness decided by the tensor's truth, and the recompute's dropout mask could differ from
+    the forward's with nothing raised."""
+    for name in _FLAGS:
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise TypeError(f"ckpt_offload.checkpoint: {name} must be a bool, got {type(kwargs[name]).__name__}"
+                            + (" (a tensor: an activation passed where the flag goes?)"
+                               if isinstance(kwargs[name], torch.Tensor) else ""))
 
 
 def _forward_of(args):

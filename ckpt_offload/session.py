@@ -89,6 +89,16 @@ def _modified_error(packed, now):
     )
 
 
+def refuse_capture(what: str) -> None:
+    """Raises where the current CUDA stream is capturing a graph: a replay would repeat the copies
+    into host blocks the pool has since handed to other tensors, and reload into addresses the
+    captured graph no longer owns, so its gradients would be garbage with nothing raised. Checked
+    as each forward with offload starts; the engine refuses a copy queued during capture as well."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"ckpt_offload: {what} during CUDA graph capture is not supported; capture the region "
+                           "with offload=False (or outside ckpt_offload), or run it eagerly")
+
+
 class OffloadSession:
     """Offload policy and bookkeeping shared by every pack/unpack of one model or context.
 
@@ -200,7 +210,9 @@ class OffloadSession:
 
     def new_forward(self):
         """What is packed from now on belongs to a new forward (graph): a backward prefetches only
-        records of its own forward, never those of another graph still alive."""
+        records of its own forward, never those of another graph still alive. Raises RuntimeError
+        while the current CUDA stream captures a graph."""
+        refuse_capture("a forward with offload")
         if _engine._forward_hook is not None:  # the node guard, once; a host cap that follows the node
             _engine._forward_hook()
         self._core.new_forward()
@@ -233,6 +245,7 @@ class OffloadSession:
         """Never offload model's parameters and buffers (by storage), until the next call. Called
         before each forward of the model: it also starts a new forward (see new_forward). The
         storages are gathered when that forward first needs them (root_storages)."""
+        refuse_capture("a forward with offload")
         if _engine._forward_hook is not None:  # as new_forward, without its frame: this runs every forward
             _engine._forward_hook()
         self._core.new_forward()

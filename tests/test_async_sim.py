@@ -142,6 +142,11 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("brk,scenario,hazard", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_each_rule_is_load_bearing(monkeypatch, brk, scenario, hazard):
+    """PITFALLS 1, 2, 15: each rule of the copy protocol, broken on purpose (CKPT_OFFLOAD_TEST_BREAK), makes
+    the simulated runtime report its hazard, and the intact protocol reports none: a source handed back
+    before its copy (1), a reload before its own offload (2), a block written while a copy still uses it
+    (15). Fails where the intact engine leaves one of these unordered, or where a rule is not
+    load-bearing."""
     pool = ckpt_offload.HostPool(pinned=False)
 
     def engines(broken):

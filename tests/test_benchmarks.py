@@ -145,6 +145,9 @@ def outputs(tmp_path_factory):
 
 
 def test_bench_step_runs_on_the_cpu_with_every_check_passing(outputs):
+    """PITFALLS 10: the step benchmark runs offload beside plain checkpointing and save_on_cpu, and every
+    check it makes passes. Fails where the comparison modes are missing or offload's checks fail; its speed
+    targets are judged on a GPU only."""
     out, procs = outputs
     p = procs["step"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -70,6 +70,8 @@ def test_loader_ignores_local_version_tags(monkeypatch):
 
 # -- the version floor (ckpt_offload/_floor.py) ------------------------------------------------------
 def test_the_torch_floor_compares_releases():
+    """PITFALLS 26: the torch floor compares releases, not strings. Fails where a version test misreads a
+    release."""
     from ckpt_offload import _floor
 
     assert _floor.TORCH_MIN == "2.11"

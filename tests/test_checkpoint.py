@@ -135,6 +135,9 @@ def test_enable_checkpointing_gradients(device, every_n, expected, offload):
 
 
 def test_keep_last_zero_offloads_every_checkpointed_layer():
+    """PITFALLS 14: keep_last=0 offloads every checkpointed layer's input, and the bytes offloaded are what
+    those layers saved. Fails where layer and group indices are mixed up (a layer skipped or offloaded
+    twice)."""
     model = make_model()
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
     loss_of(model, make_batch()).backward()
@@ -419,6 +422,9 @@ def test_kept_tensor_starts_the_reloads_before_it():
 
 
 def test_model_keep_last_layer_prefetches_during_its_backward():
+    """PITFALLS 10: the last layer stays on the device (keep_last) and its backward starts the reload of the
+    layer before. Fails where the last layer is offloaded and reloaded at once, or no prefetch overlaps its
+    backward."""
     model = make_model()
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1, prefetch=2)
     seen = []
@@ -526,6 +532,9 @@ def test_gpu_bitwise_over_many_steps_with_busy_stream():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_forward_under_user_stream():
+    """PITFALLS 3, 12: forward under a user stream: the copies order after that stream, looked up at each
+    pack and unpack. Fails where the stream is cached at start-up or the copy ordered after the default
+    stream only."""
     ids = make_batch(device="cuda", batch=2, seq=128)
     with _deterministic_attention():
         expected, model = _gpu_reference_and_offloaded(ids)
@@ -544,6 +553,8 @@ def test_gpu_forward_under_user_stream():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_steady_state_step_has_no_host_sync():
+    """PITFALLS 8: a steady-state step under torch.cuda.set_sync_debug_mode('error'). Fails on any hidden
+    host synchronisation."""
     ids = make_batch(device="cuda", batch=2, seq=128)
     model = _gpu_model()
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1)
@@ -626,6 +637,8 @@ class _MaskedStack(torch.nn.Module):
 
 
 def test_prefetch_counts_layers_and_a_shared_input_comes_back_with_its_last_user(test_cpu):
+    """PITFALLS 25: an input shared by two layers is unpacked out of pack order: it comes back with its last
+    user, and prefetch counts layers. Fails where prefetch assumes reverse pack order."""
     # Two positional inputs per layer, one of them (a mask) the same tensor in every layer: it is
     # copied once and reloaded ahead of the last layer that uses it, so no reload waits.
     torch.manual_seed(0)

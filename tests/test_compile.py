@@ -203,6 +203,9 @@ def _check_pattern(pattern, backend):
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_aot_eager_keeps_graphs(pattern):
+    """PITFALLS 9, 16: whole-model torch.compile (aot_eager) with offload keeps its compiled graphs and
+    offloads what eager offloads, gradients matching. Fails where hooks break every graph or are silently not
+    applied in the compiled region."""
     seen = _check_pattern(pattern, "aot_eager")
     if pattern == "compile_option":
         assert seen[-1][0] == 0  # nothing compiled around the blocks: nothing to break
@@ -210,6 +213,8 @@ def test_aot_eager_keeps_graphs(pattern):
 
 @pytest.mark.parametrize("pattern", ["compile_option", "whole", "block_compile_before"])
 def test_inductor_keeps_graphs(pattern):
+    """PITFALLS 16: as test_aot_eager_keeps_graphs under inductor. Fails where the hooks cost the compiled
+    graphs or are silently dropped."""
     _check_pattern(pattern, "inductor")
 
 

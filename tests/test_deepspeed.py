@@ -311,7 +311,7 @@ def test_offloaded_on_every_rank_and_host_memory_back_each_step(ranks, stage, tu
 @pytest.mark.parametrize("tune", TUNES)
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"zero{s}")
 def test_the_hooks_hold_no_weight(ranks, stage, tune):
-    """ZeRO-3 gathers each layer's weights for its forward and for its recompute and frees them in
+    """PITFALLS 32: ZeRO-3 gathers each layer's weights for its forward and for its recompute and frees them in
     between (param.data = torch.empty(0)): a saved-tensor hook holding one would hold memory that
     is gone, or gathered again. What the engine is handed is each checkpointed layer's input, the
     hidden states, and nothing that is, or shares storage with, a parameter."""

@@ -31,6 +31,7 @@ def bins(folder):
 
 # -- who may rename in the folder -----------------------------------------------------------------
 def test_a_folder_others_can_write_without_the_sticky_bit_is_refused(tmp_path):
+    """PITFALLS 27: a spill folder others may rename in is refused. Fails where such a folder is accepted."""
     pool = ckpt_offload.HostPool(pinned=False)
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -62,6 +63,8 @@ def test_a_folder_of_another_user_is_refused(tmp_path):
 
 # -- nothing followed by path ---------------------------------------------------------------------
 def test_a_per_process_folder_swapped_for_a_symlink_is_not_followed(disk, tmp_path):
+    """PITFALLS 27: the per-process spill folder swapped for a symlink: the tier neither writes into nor
+    empties the link's target. Fails where the folder is used by path."""
     victim = tmp_path / "victim"
     victim.mkdir()
     for i in range(4):
@@ -89,6 +92,8 @@ def test_a_per_process_folder_swapped_for_a_symlink_is_not_followed(disk, tmp_pa
 
 
 def test_a_relative_spill_dir_keeps_working_after_chdir(disk, tmp_path, monkeypatch):
+    """PITFALLS 28: a relative spill folder keeps working after the process changes directory mid-step. Fails
+    where the path is kept relative."""
     (tmp_path / "spill").mkdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -129,6 +134,8 @@ EXIT_AFTER_CHDIR = textwrap.dedent("""
 
 
 def test_a_process_that_exits_after_chdir_leaves_no_file(tmp_path):
+    """PITFALLS 28: a process that changed directory leaves no spill file at exit. Fails where the cleanup
+    resolves a relative path against the new directory."""
     (tmp_path / "spill").mkdir()
     env = dict(os.environ, PYTHONPATH=ROOT, CKPT_OFFLOAD_TEST_CPU="1")
     p = subprocess.run([sys.executable, "-c", EXIT_AFTER_CHDIR, str(tmp_path)], env=env, capture_output=True,
@@ -155,6 +162,8 @@ def _wait_child(pid, timeout=120):
                     reason="the simulated runtime's streams are threads, which a forked child does not inherit "
                            "(as CUDA is unusable in one): the child's reloads would wait on them forever")
 def test_a_forked_child_neither_deletes_its_parents_files_nor_hangs(disk):
+    """PITFALLS 29: a forked child exits without deleting its parent's files or waiting on threads it did not
+    inherit. Fails where the child runs the parent's cleanup."""
     ids = make_batch()
     expected = expected_grads(ids)
     model = offloading_model()

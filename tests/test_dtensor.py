@@ -120,7 +120,7 @@ def _model_step(mesh, model, seed=1):
 
 
 def test_enable_checkpointing_dtensor_residual_stream(mesh, test_cpu):
-    """A DTensor residual stream (sharded on its first dimension, as SequenceParallel shards the
+    """PITFALLS 31: A DTensor residual stream (sharded on its first dimension, as SequenceParallel shards the
     sequence): every offloaded block's input goes to the host, and checkpointing_state says so."""
     ref = _Stack(mesh)
     for b in ref.blocks:
@@ -235,6 +235,8 @@ class _PlainStack(nn.Module):
 
 
 def test_unsupported_subclass_is_reported(test_cpu):
+    """PITFALLS 31: a subclass the engine cannot take is reported (warning, counter, state), never silently
+    kept while the state says offloaded."""
     model = _PlainStack()
     assert ckpt_offload.enable_checkpointing(model, offload=True, keep_last=1) == [0, 1, 2]
     assert ckpt_offload.checkpointing_state(model) == ([0, 1, 2], [0, 1])  # configured, not run yet

@@ -225,6 +225,9 @@ def test_cap_refusal_returns_none():
 @pytest.mark.gpu
 @requires_cuda
 def test_source_dropped_while_compute_busy_still_roundtrips():
+    """PITFALLS 1: the source's last reference dropped while the compute stream is busy: the data that comes
+    back is the data that went out. Fails where the source's memory is reused before its device-to-host copy
+    read it."""
     eng = ckpt_offload.engine_for("cuda")
     n = 4 * MiB
     for rep in range(30):
@@ -247,6 +250,9 @@ def test_source_dropped_while_compute_busy_still_roundtrips():
 @pytest.mark.gpu
 @requires_cuda
 def test_reused_block_waits_for_pending_reload():
+    """PITFALLS 15: a block whose reload is still pending is handed to the next offload: the new copy waits
+    for that reload, both tensors come back intact. Fails where the block is overwritten while its last copy
+    still reads it."""
     eng = ckpt_offload.engine_for("cuda")
     n = 8 * MiB
     x1 = torch.full((n,), 1.0, device="cuda")
@@ -328,6 +334,9 @@ def test_profiling_times_every_copy_and_only_then(device):
 @requires_cuda
 @pytest.mark.gpu
 def test_source_made_on_a_side_stream_is_not_reused_before_its_copy():
+    """PITFALLS 12: a source made on a side stream is not reused before its copy: the side stream is recorded
+    as a user. Fails where the copy is ordered after the compute stream only, which inside a side-stream
+    context orders it after nothing."""
     # The source is allocated on a side stream but offloaded while the (busy) main stream is
     # current, and handed back before its copy has run. The side stream allocates at once: without
     # the engine recording the main stream as a user, it would get the same memory and overwrite it

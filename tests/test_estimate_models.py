@@ -86,6 +86,8 @@ def hybrid(kind, types=LAYER_TYPES):
     ("gpt_oss", ["sliding_attention", "full_attention"] * 6),
 ])
 def test_hybrid_attention_models_measured_by_kind_match_every_block(kind, types, monkeypatch):
+    """PITFALLS 34: sliding and full attention layers measured by kind, each with its own position's mask,
+    match measuring every block. Fails where representatives are renumbered 0..k-1."""
     # The kind lives on the attention module and in config.layer_types (which the model reads by
     # position): one representative per kind, each measured with the mask of its own position.
     cfg, attn = hybrid(kind, types)
@@ -132,6 +134,8 @@ def test_longest_sequence_of_a_sliding_window_model_fits_and_not_ten_percent_bey
 
 
 def test_gpt2_block_with_dropout_keeps_what_korthikanti_counts():
+    """PITFALLS 35: a GPT-2 block with dropout is sized as a GPU keeps it (a 1-byte mask), against
+    Korthikanti's published formula. Fails where the CPU's float noise tensor is counted."""
     # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): a GPT
     # block in fp16 with dropout keeps sbh(34 + 5as/h) bytes, the dropout masks at one byte an element
     # (what a CUDA GPU's fused dropout keeps), and 2sbh, its input, when checkpointed.

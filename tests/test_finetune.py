@@ -92,6 +92,8 @@ def test_lora_gradients_bitwise_transformers_own_checkpointing(order):
 
 
 def test_every_entry_point_takes_a_peft_model():
+    """PITFALLS 20: every entry point accepts a PeftModel and finds the layers inside. Fails where the
+    wrapper is refused or its inner model missed."""
     model = lora(tiny())
     assert ckpt_offload.enable_checkpointing(model, offload=True, every_n_layers=2) == [0, 2]
     assert ckpt_offload.checkpointing_state(model) == ([0, 2], [0])
@@ -105,6 +107,8 @@ def test_every_entry_point_takes_a_peft_model():
 
 
 def test_offload_callback_with_a_peft_model(tmp_path):
+    """PITFALLS 20: OffloadCallback with a LoRA model trains and offloads. Fails where the wrapper raises or
+    nothing is offloaded."""
     from torch.utils.data import Dataset
 
     class Data(Dataset):
@@ -138,6 +142,9 @@ def test_offload_callback_with_a_peft_model(tmp_path):
 
 # -- never silently off -------------------------------------------------------------------------------
 def test_trainer_reenable_keeps_the_engine_with_one_warning(tmp_path):
+    """PITFALLS 19: the Trainer re-enabling checkpointing after hf.enable keeps the engine on (bytes really
+    offloaded), with one warning. Fails where a later enable by the host framework switches offload off while
+    the state still says on."""
     model = tiny()
     hf.enable(model, offload=True, keep_last=1)
 
@@ -185,6 +192,8 @@ def test_transformers_own_disable_removes_the_engine_with_a_warning():
 
 
 def test_state_is_read_off_what_the_layers_run():
+    """PITFALLS 19: checkpointing_state is derived from what the layers run. Fails where a stored state
+    claims offload that no longer happens."""
     model = tiny()
     hf.enable(model, offload=True, keep_last=1)
     layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
@@ -229,6 +238,9 @@ def _zero_(model):
 ], ids=["no_offload", "offload", "block_modes"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_runs_its_own_weights_and_session(configure, how):
+    """PITFALLS 18: a deep copy of a model after enable_checkpointing runs its own weights: zeroing the
+    copy's changes its output, its gradients land in its own parameters. Fails where the wrapped forward is
+    bound to the original module."""
     x = make_batch()
     model = make_model()
     configure(model)
@@ -268,6 +280,8 @@ def test_a_copy_runs_its_own_weights_and_session(configure, how):
 
 
 def test_deepcopy_of_a_transformers_model_after_hf_enable():
+    """PITFALLS 18: a transformers model after hf.enable deep-copies and runs its own weights. Fails where
+    the copy runs the original's forward or cannot be copied."""
     x = ids()
     model = lora(tiny())
     hf.enable(model, offload=True)
@@ -302,6 +316,8 @@ def _replicate(module):
 
 
 def test_a_data_parallel_replica_runs_its_own_weights():
+    """PITFALLS 18: DataParallel replicas run their own weights. Fails where a replica runs the original
+    module's closure."""
     x = make_batch()
     model = make_model()
     ckpt_offload.enable_checkpointing(model, offload=True)
@@ -332,6 +348,8 @@ def test_save_pretrained_round_trip(tmp_path):
 
 # -- profiling in training mode -----------------------------------------------------------------------
 def test_plan_and_reserve_profile_in_training_mode_and_restore_eval():
+    """PITFALLS 23: plan_memory and reserve_for profile in training mode and put eval mode back. Fails where
+    profiling runs in eval mode (transformers' layers then checkpoint nothing and it measures nothing)."""
     x = {"input_ids": ids(), "labels": ids()}
     trained = tiny()
     expected = ckpt_offload.reserve_for(_configured(trained), x)

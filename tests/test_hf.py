@@ -365,7 +365,7 @@ def test_reloads_start_mid_layer_and_are_all_ahead_of_need(arch):
 
 # -- unknown keywords are refused, not passed on -----------------------------------------------------
 def test_unknown_keywords_are_refused_with_the_close_match():
-    """A misspelt or foreign keyword used to travel on to the decoder layer's **kwargs, where it was
+    """PITFALLS 39: A misspelt or foreign keyword used to travel on to the decoder layer's **kwargs, where it was
     ignored: offlaod=False offloaded, every_n=2 checkpointed every layer."""
     model = tiny("llama")
     with pytest.raises(TypeError, match=r"hf.enable: unexpected keyword 'offlaod'; did you mean 'offload'\?"):

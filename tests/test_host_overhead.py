@@ -277,6 +277,8 @@ def test_node_path_follows_built_in_and_custom_function_nodes_and_refuses_anothe
 
 
 def test_an_offloaded_storage_keeps_its_key_while_the_handle_lives():
+    """PITFALLS 21: an offloaded storage's key stays its own while its handle lives, so no new storage at
+    that address can match its record. Fails where storages are identified by address alone."""
     # Records are found by storage_key (the storage's address): the handle holds the storage weakly,
     # so no new storage takes that address while a record of the old one can match (PITFALLS 21: a
     # reused address must never share a stale copy). Once the handle goes, the address is free again.

@@ -163,6 +163,8 @@ def test_the_pools_node_guard_reads_what_hostmem_reads(fake):
 
 
 def test_local_world_size_from_the_launchers(fake, monkeypatch):
+    """PITFALLS 37: ranks per node read from each launcher's variable. Fails where only one launcher's
+    variable is read."""
     monkeypatch.setenv("WORLD_SIZE", "16")  # every node's ranks: never the divisor
     assert hostmem.local_world_size() == 1
     monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's launcher, some MPI launchers
@@ -185,6 +187,7 @@ def test_local_world_size_from_the_launchers(fake, monkeypatch):
     ({"SLURM_NTASKS_PER_NODE": "1", "LOCAL_WORLD_SIZE": "8"}, 8),  # srun starting torchrun: torchrun's ranks
 ])
 def test_local_world_size_under_srun_and_mpi(fake, monkeypatch, env, ranks):
+    """PITFALLS 37: ranks per node under srun and mpirun. Fails where every rank plans for the whole node."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert hostmem.local_world_size() == ranks

@@ -142,6 +142,8 @@ def test_plain_parity(runtime, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_dropout_and_rng_parity(runtime, entry):
+    """PITFALLS 45: dropout and the RNG through offload: gradients bitwise those of torch's checkpoint. Fails
+    where the recompute draws another mask."""
     model = _mlp_stack(p=0.3).train()
     check(runtime, model, entry, lambda: torch.randn(8, 32, requires_grad=True))
     # The generator is where the unmodified run leaves it: the next draw agrees.
@@ -157,6 +159,8 @@ def test_dropout_and_rng_parity(runtime, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_input_view_with_storage_offset(runtime, entry):
+    """PITFALLS 4: an input that is a view at a storage offset round-trips with its offset and values. Fails
+    where a view comes back at its base's offset."""
     def make():
         base = torch.randn(10, 32)
         x = base[2:].detach().requires_grad_(True)
@@ -167,6 +171,8 @@ def test_input_view_with_storage_offset(runtime, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_strided_and_transposed_inputs(runtime, entry):
+    """PITFALLS 13: transposed and strided inputs round-trip with their strides under the entry points;
+    gradients bitwise. Fails where a non-contiguous saved tensor crashes or comes back with other strides."""
     def strided():
         x = torch.randn(8, 64)[:, ::2].detach().requires_grad_(True)
         assert not x.is_contiguous()
@@ -181,7 +187,7 @@ def test_strided_and_transposed_inputs(runtime, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_overlapping_views(runtime, entry):
-    """An expanded input (stride 0: elements overlap) and a block that saves overlapping slices."""
+    """PITFALLS 4: An expanded input (stride 0: elements overlap) and a block that saves overlapping slices."""
 
     class Overlap(nn.Module):
         def __init__(self):
@@ -205,7 +211,7 @@ def test_overlapping_views(runtime, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_split_projection_views(runtime, entry):
-    """q, k, v split from one projection: strided views of one storage with gaps between elements."""
+    """PITFALLS 13: q, k, v split from one projection: strided views of one storage with gaps between elements."""
 
     class Attention(nn.Module):
         def __init__(self, width=32):

@@ -61,6 +61,8 @@ def _grads(model):
 
 
 def test_leaf_inputs_and_saved_views_that_need_grad_are_offloaded(test_cpu):
+    """PITFALLS 38: a leaf that needs grad but is no weight, and views saved inside an autograd.Function, are
+    offloaded. Fails where 'keep weights' is taken as 'keep every leaf that requires grad'."""
     torch.manual_seed(0)
     model = _Tiny()
     ids = torch.randint(0, 64, (8, 512))  # 8 x 512 x 256 floats: 4 MiB activations
@@ -85,7 +87,7 @@ def test_leaf_inputs_and_saved_views_that_need_grad_are_offloaded(test_cpu):
 
 
 def test_weights_and_their_views_still_stay(test_cpu):
-    """A parameter, its transpose (F.linear's save), and plain tensors that are a module's weights
+    """PITFALLS 38: A parameter, its transpose (F.linear's save), and plain tensors that are a module's weights
     (torch.func.functional_call) are not copied."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 512, bias=False)  # 1 MiB weight

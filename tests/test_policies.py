@@ -94,6 +94,8 @@ def run_ours(policy, device, **kw):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mark", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
 def test_offload_policy_output_is_saved_through_the_engine_not_recomputed(device, mark):
+    """PITFALLS 17: an op a policy marks for offload is saved through the engine and does not run again in
+    backward (counted with a dispatch mode). Fails where the marked op is silently recomputed."""
     offload = getattr(CheckpointPolicy, mark)
     out, got, calls, fwd = run_ours(policy_marking(offload), device)
     # The reference: torch SAC with MUST_SAVE in place of the offload policy.
@@ -109,6 +111,8 @@ def test_offload_policy_output_is_saved_through_the_engine_not_recomputed(device
 
 
 def test_torch_eager_recomputes_what_an_offload_policy_marks_and_we_do_not():
+    """PITFALLS 17: torch's eager selective checkpoint recomputes an op marked MUST_CPU_OFFLOAD; ckpt_offload
+    does not. Fails where the offload policy falls through to torch's recompute."""
     # What the counter catches: torch 2.14's own eager SAC runs sin again in backward.
     *_, torch_calls = run_torch(policy_marking(CheckpointPolicy.MUST_CPU_OFFLOAD), "cpu")
     assert torch_calls.get(SIN, 0) == 1
@@ -233,6 +237,8 @@ def test_gradient_accumulation_matches_torch_sac():
 
 
 def test_hundred_steps_no_leak_and_forward_without_backward_frees_the_host():
+    """PITFALLS 22: a hundred steps under a policy leak nothing, and a forward without backward frees its
+    host blocks. Fails on per-step growth."""
     pool = ckpt_offload.host_pool()
     policy = policy_marking(CheckpointPolicy.MUST_CPU_OFFLOAD)
     session = ckpt_offload.OffloadSession()

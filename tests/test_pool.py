@@ -18,6 +18,8 @@ def within_general_bound(s):
 
 
 def test_round_size_classes_waste_little():
+    """PITFALLS 47: size classes waste little over a request. Fails where requests are rounded up to a power
+    of two."""
     assert ckpt_offload.HostPool.round_size(0) == 512
     assert ckpt_offload.HostPool.round_size(1) == 512
     assert ckpt_offload.HostPool.round_size(513) == 1024

@@ -37,6 +37,8 @@ def run_step(pool, sizes, bound=BOUND):
 
 
 def test_fine_tuning_distribution_allocates_and_frees_nothing_after_the_longest_step():
+    """PITFALLS 11: lengths drawn as fine-tuning does (2k-8k padded to 64): after the longest step, no host
+    allocation and no free. Fails where the pool allocates and frees inside steps as shapes vary."""
     pool = ckpt_offload.HostPool(pinned=False)
     run_step(pool, [ft_bytes(8192)] * LAYERS)
     first = pool.stats()

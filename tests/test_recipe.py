@@ -44,6 +44,8 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_bytes_are_what_torch_allocates(name, dtype):
+    """PITFALLS 36: optimizer state bytes are what torch allocates, from the one recipe every count reads.
+    Fails where two modules count one fact two ways."""
     make, r = OPTIMIZERS[name]
     model = make_model(layers=2, hidden=32, heads=4, max_len=16).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -263,6 +265,8 @@ def _json(capsys, *args):
 
 
 def test_cli_fits_only_within_the_ranks_share_budget_auto_takes(small_config, capsys):
+    """PITFALLS 36: the estimate command and budget='auto' agree on what fits. Fails where they count
+    optimizer states differently."""
     # budget="auto" lets the node's ranks pin half of its available memory: a plan needing more is one
     # the run would refuse, so the command must not call it fitting.
     base = ("--config", small_config, "--seq", "1024", "--batch", "4", "--device-memory", "4GiB", "--ranks-per-node", "1")

@@ -839,6 +839,8 @@ class BackwardReturnsViewOfSaved(torch.autograd.Function):
 @pytest.mark.parametrize("kind", ["transpose", "strided_slice"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_returning_a_view_of_an_unpacked_tensor(device, kind, test_cpu):
+    """PITFALLS 4: a backward that returns a view of an unpacked (reloaded) tensor: the view keeps its data
+    alive. Fails where the reloaded tensor is freed while a view of it escapes the node."""
     x = torch.arange(16.0, device=device).reshape(4, 4).requires_grad_()
     with ckpt_offload.offload_activations(min_bytes=0):
         y = BackwardReturnsViewOfSaved.apply(x, kind)
@@ -1182,6 +1184,8 @@ def test_host_cap_keeps_tensors_on_device_with_one_warning(device, test_cpu, pri
 @pytest.mark.parametrize("failures", [2, 1000])
 @pytest.mark.parametrize("device", DEVICES)
 def test_refused_pinned_allocation_falls_back_to_device(device, failures, test_cpu, private_engine):
+    """PITFALLS 41: a refused pinned allocation keeps the tensor on the device, gradients unchanged. Fails
+    where a failed pin crashes the step."""
     eng, pool = private_engine
     ids = make_batch(device=device)
     expected = plain_grads(device, ids)
@@ -1340,7 +1344,7 @@ def test_busy_stream_dropped_sources_bitwise_equal_over_many_steps(variant):
 @requires_cuda
 @pytest.mark.parametrize("where", ["forward_and_backward_in_stream", "forward_in_stream_backward_outside"])
 def test_user_stream(where):
-    """PITFALLS 3: the current stream is looked up at each pack/unpack, never cached."""
+    """PITFALLS 3, 12: the current stream is looked up at each pack/unpack, never cached."""
     ref = mlp_stack(width=512)
     x = torch.randn(1024, 512, device="cuda")
     mlp_loss(ref, x).backward()
@@ -1499,7 +1503,7 @@ _GRAPH_SCRIPT = textwrap.dedent(
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_graph_capture_works_or_fails_clearly(tmp_path):
-    """PITFALLS 9: capturing a step with offload either matches eager after replay or raises an
+    """PITFALLS 9, 42, 49: capturing a step with offload either matches eager after replay or raises an
     error that says what went wrong; never silently wrong, never a hang. It runs in a child process
     so that a broken capture cannot leave this one's CUDA context in a bad state."""
     env = dict(os.environ)

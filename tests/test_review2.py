@@ -54,6 +54,9 @@ def _record_checkpoint_calls(monkeypatch):
 @pytest.mark.skipif(not ckpt_offload.policies.HAS_RESPECT, reason="this torch's checkpoint has no "
                     "respect_saved_tensors_hooks")
 def test_no_entry_point_leaves_respect_saved_tensors_hooks_open_under_active_hooks(monkeypatch):
+    """PITFALLS 26: no entry point calls torch's checkpoint with respect_saved_tensors_hooks left open under
+    active hooks (an error on newer torch). Fails where a release's contract change is met by a version
+    string instead of the feature."""
     from functools import partial
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -180,6 +183,8 @@ def _host_in_use():
 
 @pytest.mark.parametrize("how", ["backward", "autograd.grad"])
 def test_a_retained_graph_keeps_its_inputs_on_the_host_and_reloads_them_with_prefetch(monkeypatch, how):
+    """PITFALLS 24: a graph kept with retain_graph=True keeps its inputs on the host and reloads them, with
+    prefetch, for the next backward. Fails where every reload stays on the device until the graph dies."""
     from tiny_gpt import loss_of, make_batch, make_model
 
     live_reloads = _watch_reloads(monkeypatch)
@@ -280,6 +285,8 @@ def test_the_drop_in_checkpoint_reloads_nothing_of_another_graph_still_alive():
 
 
 def test_the_drop_in_checkpoint_keeps_one_graph_one_forward_across_ops_and_branches():
+    """PITFALLS 25: branches and ops between checkpoint calls make one forward whose backward visits saved
+    tensors out of pack order: every reload is correct. Fails where the order of unpacks is assumed."""
     w = torch.randn(32, 32, requires_grad=True)
 
     def layer(h):
@@ -355,6 +362,8 @@ def test_allow_cache_entry_mutation_holds_for_offloaded_outputs(how):
 
 # -- weights known by storage identity, not by address -----------------------------------------------
 def test_an_activation_at_a_weight_s_former_address_is_still_offloaded():
+    """PITFALLS 21: an activation allocated at a freed weight's former address is still offloaded. Fails
+    where a reused address is mistaken for a live parameter."""
     # FSDP2 frees an unsharded weight after its module's forward, and the allocator may hand that
     # address to an activation of a later module. Two storages over one buffer stand for it here.
     import numpy as np

@@ -13,6 +13,8 @@ from benchmarks import soak  # noqa: E402
 
 
 def test_short_soak_passes_its_check():
+    """PITFALLS 22: a short soak (mixed lengths, modes, dropped forwards, the disk tier) passes its growth
+    check. Fails on growth of RSS, fds, threads, pool bytes, files or live objects."""
     env = dict(os.environ, CKPT_OFFLOAD_TEST_CPU="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"), "--steps", "30", "--warmup", "10",
                         "--sample", "5", "--device", "cpu", "--check", "--exceptions", "0.2", "--dropped", "0.2",

@@ -144,7 +144,7 @@ def test_sft_offloads_through_the_engine_with_the_same_losses(tmp_path, tokenize
 
 
 def test_checkpointed_layers_inputs_are_what_is_offloaded(tmp_path, tokenizer, base_model, dataset):
-    """With gradient checkpointing each checkpointed layer saves only its input through TRL's context:
+    """PITFALLS 14: With gradient checkpointing each checkpointed layer saves only its input through TRL's context:
     with nothing kept (keep_last=0), fewer tensors move than without checkpointing, at least one per
     layer and step."""
     ctrl.install(keep_last=0)

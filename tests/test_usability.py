@@ -322,7 +322,7 @@ def test_bench_step_rows_start_from_an_empty_pool_and_cpu_rows_have_a_peak_ratio
 
 
 def test_setup_runs_pip_only_when_requirements_changed(tmp_path):
-    """scripts/setup.sh against a stand-in venv whose python logs pip calls (and runs the real
+    """PITFALLS 40: scripts/setup.sh against a stand-in venv whose python logs pip calls (and runs the real
     interpreter for everything else): the first run installs the list scripts/dev_requirements.py
     derives from pyproject.toml, the second skips pip; a changed stamp brings it back."""
     venv = tmp_path / "venv"
@@ -470,6 +470,8 @@ def test_test_cpu_switch_is_read_when_a_session_is_made(monkeypatch):
 
 # -- retain_graph: each backward reloads ---------------------------------------------------------
 def test_retain_graph_reloads_for_each_backward_as_documented():
+    """PITFALLS 24: each backward of a retained graph reloads its offloaded inputs (tensors_fetched counts
+    them). Fails where the first reload is held on the device."""
     model = make_model(layers=3)
     ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0)
     loss = loss_of(model, make_batch())
@@ -484,8 +486,8 @@ def test_retain_graph_reloads_for_each_backward_as_documented():
 
 
 def test_checkpoint_refuses_a_near_miss_of_its_own_keywords():
-    """A near miss of an option (offlaod=, context=) that the function cannot take is refused with
-    the match, before anything runs; torch would pass it on and the function would raise."""
+    """PITFALLS 39: a near miss of an option (offlaod=, context=) that the function cannot take is
+    refused with the match, before anything runs; torch would pass it on and the function would raise."""
     w = torch.randn(H, H, requires_grad=True)
 
     def layer(h, *args, scale=1.0):
