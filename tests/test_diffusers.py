@@ -31,8 +31,12 @@ def wan(frames=2, h=8, w=8):
     m = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
-    return m, dict(hidden_states=rnd(1, 4, frames, h, w, seed=1), timestep=torch.tensor([500]),
-                   encoder_hidden_states=rnd(1, 6, 16, seed=2))
+    return m, wan_inputs(frames, h, w)
+
+
+def wan_inputs(frames, h, w, seed=1):
+    return dict(hidden_states=rnd(1, 4, frames, h, w, seed=seed), timestep=torch.tensor([500]),
+                encoder_hidden_states=rnd(1, 6, 16, seed=seed + 1))
 
 
 def flux(h=4, w=4):
@@ -320,6 +324,7 @@ def lora(model):
     from peft import LoraConfig
 
     model.requires_grad_(False)
+    torch.manual_seed(0)  # the adapters' initialisation
     model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
                                  target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     return model
@@ -340,3 +345,109 @@ def test_lora_adapter_gradients_bitwise(name):
         g = grads(model, inputs)
         assert g.keys() == ref.keys() and all(torch.equal(v, g[k]) for k, v in ref.items())
     assert ckpt_offload.stats()["bytes_offloaded"] > 0
+
+
+def train(name, install, steps=4, accumulation=2):
+    """Steps shaped like diffusers' LoRA scripts (train_dreambooth_lora_flux.py, the Wan LoRA
+    scripts): the base frozen, LoRA through add_adapter, --gradient_checkpointing as
+    model.enable_gradient_checkpointing(), accelerate's prepare with bf16 mixed precision (its
+    autocast around the forward) and gradient accumulation, AdamW on the adapters, grad clipping."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=accumulation)
+    model, inputs = make(name)
+    lora(model)
+    if install:
+        cod.install()
+    try:
+        model.enable_gradient_checkpointing()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        key = "hidden_states" if "hidden_states" in inputs else "sample"
+        losses = []
+        for step in range(steps):
+            with accelerator.accumulate(model):
+                noise = rnd(*inputs[key].shape, seed=100 + step)
+                batch = dict(inputs, **{key: inputs[key] + noise})
+                pred = model(**batch, return_dict=False)[0]
+                loss = torch.nn.functional.mse_loss(pred.float(), noise[..., : pred.shape[-1]].float()
+                                                    if pred.shape == noise.shape else pred.float().detach() * 0.5)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        state = ckpt_offload.checkpointing_state(model)
+        weights = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+        return losses, weights, state
+    finally:
+        cod.uninstall()
+        AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_lora_training_steps_equal_without_offload(name):
+    pytest.importorskip("peft")
+    pytest.importorskip("accelerate")
+    losses, weights, state = train(name, install=False)
+    assert state is None
+    ckpt_offload.reset_stats()
+    losses2, weights2, state2 = train(name, install=True)
+    n = len(SEQUENCES[name])
+    assert state2 == (list(range(n)), list(range(n - 1)))
+    assert ckpt_offload.stats()["bytes_offloaded"] > 0
+    assert [float(x) for x in losses] == [float(x) for x in losses2]
+    assert torch.equal(torch.stack(losses), torch.stack(losses2))
+    assert weights.keys() == weights2.keys() and all(torch.equal(v, weights2[k]) for k, v in weights.items())
+
+
+def test_compile_repeated_blocks_keeps_its_graphs():
+    from torch._dynamo.utils import counters
+
+    def run(offload):
+        torch._dynamo.reset()
+        counters.clear()
+        model, inputs = make("flux")
+        model.compile_repeated_blocks(backend="aot_eager")  # regional compilation: diffusers' _repeated_blocks
+        if offload:
+            cod.enable(model)
+        else:
+            model.enable_gradient_checkpointing()
+        ckpt_offload.reset_stats()
+        for _ in range(3):
+            g = grads(model, inputs)
+        ckpt_offload.synchronize()
+        return g, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], ckpt_offload.stats()
+
+    ref, breaks, graphs, _ = run(False)
+    assert graphs >= 2  # one per block class (double- and single-stream)
+    g, breaks2, graphs2, s = run(True)
+    assert (breaks2, graphs2) == (breaks, graphs)  # no break added, no graph recompiled
+    assert s["bytes_offloaded"] > 0
+    assert g.keys() == ref.keys() and all(torch.equal(v, g[k]) for k, v in ref.items())
+
+
+def test_buckets_no_pinned_allocation_after_the_largest():
+    # Datasets bucket video by frame count and aspect: once the largest bucket has run, the others
+    # reuse the pool's blocks.
+    model, _ = make("wan")
+    cod.enable(model)
+    buckets = [(1, 4, 4), (3, 8, 8), (2, 8, 4), (1, 4, 8), (3, 4, 8), (2, 8, 8), (3, 8, 8)]  # frames, height, width
+
+    def step(shape, seed):
+        grads(model, wan_inputs(*shape, seed=seed))
+        ckpt_offload.synchronize()
+        return ckpt_offload.stats()
+
+    step(buckets[0], 0)
+    grew = step(buckets[1], 1)["host_alloc_calls"]
+    assert grew > 0  # a larger bucket than any before: the pool grows (the counter is live)
+    ckpt_offload.reset_stats()
+    for i, shape in enumerate(buckets[2:]):
+        s = step(shape, 2 + i)
+    assert s["tensors_offloaded"] > 0 and s["bytes_offloaded"] > 0
+    assert s["host_alloc_calls"] == 0 and s["host_free_calls"] == 0
