@@ -19,7 +19,7 @@ OUTPUT_INFO = 'text title="Output"'
 TIMED_OUTPUT_INFO = 'text title="Output (times vary)"'
 OUTPUTS = (OUTPUT_INFO, TIMED_OUTPUT_INFO)
 ILLUSTRATIVE = "# illustrative"
-OPTIONAL = ("transformers", "accelerate", "peft", "trl")  # a page that imports one is skipped without it
+OPTIONAL = ("transformers", "accelerate", "peft", "trl", "diffusers")  # a page that imports one is skipped without it
 
 
 def pages():

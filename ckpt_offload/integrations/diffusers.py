@@ -199,4 +199,4 @@ def installed() -> bool:
     return bool(_installed)
 
 
-__all__ = ["enable", "disable", "state", "install", "uninstall", "installed", "CHECKPOINT_KWARGS"]
+__all__ = ["enable", "disable", "state", "install", "uninstall", "installed"]
