@@ -453,3 +453,19 @@ def test_buckets_no_pinned_allocation_after_the_largest():
         s = step(shape, 2 + i)
     assert s["tensors_offloaded"] > 0 and s["bytes_offloaded"] > 0
     assert s["host_alloc_calls"] == 0 and s["host_free_calls"] == 0
+
+
+def test_a_copy_of_a_configured_model_runs_its_own_blocks():
+    ref, _ = diffusers_own("ltx")
+    model, inputs = make("ltx")
+    cod.enable(model)
+    grads(model, inputs)  # the sequence learnt
+    twin = copy.deepcopy(model)
+    att, att2 = ckpt_offload.attachment.find(model), ckpt_offload.attachment.find(twin)
+    assert att2 is not att and att2.session is not att.session
+    assert all(any(b is m for m in twin.modules()) for b in att2.blocks)  # the copy's own blocks
+    ckpt_offload.reset_stats()
+    g = grads(twin, inputs)
+    assert ckpt_offload.stats()["bytes_offloaded"] > 0
+    assert ckpt_offload.checkpointing_state(twin) == ([0, 1], [0])
+    assert g.keys() == ref.keys() and all(torch.equal(v, g[k]) for k, v in ref.items())
