@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from .checkpointing import run_checkpoint, run_learned, warn_kwarg_tensors
@@ -212,6 +213,50 @@ class EagerLayerFunction(LayerFunction):
         return _layer_run(self, None, function, args, kwargs)
 
 
+# -- diffusers models: the function their own checkpointing calls with the block ------------------------
+class BlockFunction:
+    """The `_gradient_checkpointing_func` of a diffusers model's modules: its forward calls
+    func(block, *args) for each block it checkpoints. The block is looked up in the attachment's
+    sequence (numbered in forward order, learnt as the blocks first run, see Attachment.block_index)
+    and runs as its mode says. Tensors inside a tuple or dict argument (rotary tables) are passed
+    to the checkpoint one by one, so that they are offloaded too."""
+
+    __slots__ = ("attachment",)
+
+    def __init__(self, attachment):
+        self.attachment = attachment
+
+    def __call__(self, block, *args):
+        if torch.compiler.is_compiling() or _current_callback() is not None:
+            return _EAGER[5](self, block, args)
+        return _diffusers_run(self, block, args)
+
+    def __getstate__(self):
+        return self.attachment
+
+    def __setstate__(self, state):
+        self.attachment = state
+
+
+def _flat_call(function, spec, *leaves):
+    return function(*torch.utils._pytree.tree_unflatten(list(leaves), spec))
+
+
+def _diffusers_run(func, block, args):
+    att = func.attachment
+    function = block.__call__ if isinstance(block, nn.Module) else block
+    i = att.block_index(block) if isinstance(block, nn.Module) else None
+    if not torch.is_grad_enabled() or (i is not None and att.modes[i] == "none"):
+        return function(*args)
+    if i is not None and att.modes[i] == "offload":
+        return att._run_whole(i, function, args, {})
+    if any(isinstance(a, (list, tuple, dict)) for a in args):
+        leaves, spec = torch.utils._pytree.tree_flatten(args)
+        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            function, args = functools.partial(_flat_call, function, spec), tuple(leaves)
+    return att._run(i, function, args, {})
+
+
 class _Reenabled:
     """A PreTrainedModel's `_set_gradient_checkpointing` while attached, which every transformers
     enable and disable ends in (the Trainer's and SFTTrainer's, peft's, the deprecated names). An
@@ -271,6 +316,9 @@ def attachment_before_forward(hook, module, args):
 
 
 def attachment_after_forward(hook, module, args, output):
+    att = hook.attachment
+    if att.schedule is not None and not att.learned and att.blocks:
+        att.learnt()
     for s in (hook.attachment.session, hook.attachment.whole):
         if s is not None:
             s.poll()
@@ -314,6 +362,7 @@ def _eager_hooks():
             torch.compiler.disable(_block_run),
             torch.compiler.disable(layer_eager_boundary, recursive=False),
             torch.compiler.disable(_layer_run),
+            torch.compiler.disable(_diffusers_run),
         ])
 
 
@@ -344,10 +393,12 @@ class Attachment:
     selective-checkpoint context_fn}; options: torch.compile keywords for the checkpointed bodies,
     or None; checkpoint_kwargs: torch checkpoint keywords; numbering: the index each block is
     reported under (checkpointing_state); prefetch, prefetch_bytes: as OffloadSession's.
+    schedule: a diffusers model (see Schedule): blocks and modes start empty and grow as the model's
+    own checkpointing hands its blocks to BlockFunction, in forward order.
     """
 
     def __init__(self, owner, blocks, modes, *, hf=False, contexts=None, options=None, checkpoint_kwargs=None,
-                 numbering=None, prefetch=1, prefetch_bytes=None):
+                 numbering=None, prefetch=1, prefetch_bytes=None, schedule=None):
         self.owner = owner
         self.blocks = list(blocks)
         self.modes = list(modes)
@@ -356,7 +407,11 @@ class Attachment:
         self.options = options
         self.checkpoint_kwargs = dict(checkpoint_kwargs or {})
         self.numbering = list(numbering) if numbering is not None else list(range(len(self.blocks)))
-        offloads = any(m.startswith("checkpoint+offload") for m in self.modes)
+        self.schedule = schedule
+        self.positions = {b: i for i, b in enumerate(self.blocks)}  # block -> its index (BlockFunction)
+        self.learned = schedule is None  # a schedule's sequence is complete after the first forward that ran blocks
+        offloads = any(m.startswith("checkpoint+offload") for m in self.modes) or (
+            schedule is not None and schedule.offload)
         self.session = OffloadSession(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if offloads else None
         # "offload" blocks: their tensors come back when their own backward starts (no midpoints).
         self.whole = OffloadSession(prefetch=1, sees_weights=True) if "offload" in self.modes else None
@@ -382,6 +437,9 @@ class Attachment:
         _eager_hooks()
         self.__dict__.setdefault("kept_blocks", set())  # pickled before they existed
         self.__dict__.setdefault("warned_kept", set())
+        self.__dict__.setdefault("schedule", None)
+        self.__dict__.setdefault("learned", True)
+        self.__dict__.setdefault("positions", {b: i for i, b in enumerate(self.blocks)})
         for session in (self.session, self.whole):
             if session is not None and session.kept_types is None:
                 session.kept_types = []  # noted for this attachment (a copy's sessions are new ones)
@@ -410,6 +468,37 @@ class Attachment:
             if m is self.blocks[i]:
                 return f"{name!r} ({self.numbering[i]})"
         return str(self.numbering[i])
+
+    # -- a diffusers model's sequence, learnt as it runs --------------------------------------------
+    def block_index(self, block):
+        """The index of a block a diffusers model's checkpointing hands over: the order in which
+        the blocks first ran; a block not seen before joins the sequence with the schedule's mode."""
+        i = self.positions.get(block)
+        if i is None:
+            i = self.positions[block] = len(self.blocks)
+            self.blocks.append(block)
+            self.numbering.append(i)
+            self.modes.append(self.schedule.mode(i, None))
+        return i
+
+    def learnt(self):
+        """The first forward that ran blocks is over: the sequence is known, so keep_last can keep
+        the last checkpointed blocks on the device from the next forward on (that first forward
+        offloaded them too), and the midpoints are learnt from the next forward."""
+        from .midpoints import Midpoints
+
+        self.learned = True
+        self.modes = [self.schedule.mode(i, len(self.blocks)) for i in range(len(self.blocks))]
+        if self.schedule.offload and not any(m.startswith("checkpoint+offload") for m in self.modes):
+            warnings.warn(
+                f"ckpt_offload: offload=True offloads nothing from the next forward on: {type(self.owner).__name__} "
+                f"checkpoints {sum(m != 'none' for m in self.modes)} block(s) (every_n_layers="
+                f"{self.schedule.every_n_layers}) and keep_last={self.schedule.keep_last} keeps them all on the "
+                "device. Lower keep_last or every_n_layers to offload.", RuntimeWarning, stacklevel=2)
+        checkpointed = [self.blocks[i] for i, m in enumerate(self.modes) if m.startswith("checkpoint")]
+        if self.session is not None and self.options is None and checkpointed and Midpoints.usable(checkpointed):
+            self.midpoints = Midpoints(self.session, checkpointed)
+            self.handles.append(self.midpoints)
 
     # -- what the blocks run -----------------------------------------------------------------------
     def _checkpoint_kwargs(self, i, extra=None):
@@ -542,6 +631,13 @@ class Attachment:
                     self._set_raw(b, "forward", _MISSING)
                 self.saved.append((b, "__class__", type(b)))
                 object.__setattr__(b, "__class__", checkpointed_class(type(b)))
+        if self.schedule is not None:
+            # diffusers' own switch turns checkpointing on in every module that has one, with our function.
+            for m in self.owner.modules():
+                if hasattr(m, "gradient_checkpointing"):
+                    for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                        self.saved.append((m, name, m.__dict__.get(name, _MISSING)))
+            self.schedule.switch(self.owner, BlockFunction(self))
         pretrained = _pretrained_class()
         if pretrained is not None:
             for m in self.owner.modules():
@@ -606,6 +702,15 @@ class Attachment:
         """The mode block i runs now: this attachment's when its hooks are in place; "checkpoint"
         when something else (transformers' own) checkpoints it; "none" otherwise."""
         b = self.blocks[i]
+        if self.schedule is not None:
+            # One function on every module that checkpoints blocks: ours on all of them, or not ours.
+            switches = [m for m in self.owner.modules() if hasattr(m, "gradient_checkpointing")]
+            if not any(m.gradient_checkpointing for m in switches):
+                return "none"
+            if all(m.gradient_checkpointing and isinstance(m.__dict__.get("_gradient_checkpointing_func"), BlockFunction)
+                   and m.__dict__["_gradient_checkpointing_func"].attachment is self for m in switches):
+                return self.modes[i]
+            return "checkpoint"
         if self.hf:
             func = b.__dict__.get("_gradient_checkpointing_func")
             if not getattr(b, "gradient_checkpointing", False):

@@ -65,7 +65,7 @@ def no_hf_routing():
     whole process: undone after every test, so that no test sees another's routing."""
     yield
     # trl.install() and accelerate.install() patch their libraries for the whole process too.
-    for name in ("hf", "trl", "accelerate"):
+    for name in ("hf", "trl", "accelerate", "diffusers"):
         integration = sys.modules.get(f"ckpt_offload.integrations.{name}")
         if integration is not None:
             integration.uninstall()

@@ -23,7 +23,7 @@ OUTPUTS = (OUTPUT_INFO, TIMED_OUTPUT_INFO)
 # where it differs from the Output block before it: nothing is moved, and the page says so.
 PLAIN_CPU_INFO = 'text title="Output on a plain CPU"'
 ILLUSTRATIVE = "# illustrative"
-OPTIONAL = ("transformers", "accelerate", "peft", "trl")  # a page that imports one is skipped without it
+OPTIONAL = ("transformers", "accelerate", "peft", "trl", "diffusers")  # a page that imports one is skipped without it
 
 
 def pages():
