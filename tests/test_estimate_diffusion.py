@@ -167,3 +167,147 @@ def test_the_blocks_are_those_diffusers_checkpointing_wraps_in_forward_order():
     est = estimate_memory(model, inputs, loss_fn=loss)
     assert est.cost_model.n == 5
     assert est.seq is None and est.longest_fitting(2 ** 40) == {m: None for m in est.peak_bytes}
+
+
+# -- python -m ckpt_offload estimate --diffusers-config -------------------------------------------
+
+VAE = {"_class_name": "AutoencoderKLWan", "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+       "temperal_downsample": [False, True, True], "scale_factor_temporal": 4, "scale_factor_spatial": 8}
+
+
+def pipeline_folder(tmp_path, transformer=None, vae=VAE):
+    (tmp_path / "transformer").mkdir(exist_ok=True)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    cfg = dict(WAN, _class_name="WanTransformer3DModel") if transformer is None else transformer
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(cfg))
+    if vae is not None:
+        (tmp_path / "vae").mkdir(exist_ok=True)
+        (tmp_path / "vae" / "config.json").write_text(json.dumps(vae))
+    return tmp_path
+
+
+def cli(capsys, *args):
+    from ckpt_offload.sizing.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+HW = ("--host-memory", "1TiB", "--ranks-per-node", "1")
+
+
+def test_cli_reads_the_latents_from_the_vae_and_counts_what_estimate_memory_counts(tmp_path, capsys):
+    path = pipeline_folder(tmp_path)
+    rc, out, err = cli(capsys, "--diffusers-config", str(path), "--frames", "9", "--height", "64", "--width", "128",
+                       "--text-tokens", "8", "--batch", "2", "--json", *HW)
+    assert rc == 0, err
+    r = json.loads(out)
+    # 9 frames at the VAE's temporal factor 4: 3 latent frames; 64x128 at 8: 8x16; patch 1x2x2
+    assert r["latent"] == [3, 8, 16] and r["tokens"] == 3 * 4 * 8 and r["vae_source"] == "the VAE's config"
+    assert r["blocks"] == 3
+    from ckpt_offload.sizing.diffusion import build_model
+
+    # bf16, but for the modules the class keeps in fp32 (as from_pretrained(torch_dtype=bf16) loads it)
+    model = build_model(dict(WAN, _class_name="WanTransformer3DModel"), torch.bfloat16)
+    assert model.scale_shift_table.dtype == torch.float32 and model.blocks[0].ffn.net[2].weight.dtype == torch.bfloat16
+    inputs = dict(hidden_states=torch.empty(2, 4, 3, 8, 16, dtype=torch.bfloat16, device="meta"),
+                  timestep=torch.empty(2, device="meta"),
+                  encoder_hidden_states=torch.empty(2, 8, 32, dtype=torch.bfloat16, device="meta"), return_dict=False)
+    api = estimate_memory(model, inputs)
+    assert api.parts == r["parts"]
+    for m, row in r["modes"].items():
+        if m != "plan":
+            assert row["device_peak_bytes"] == api.peak_bytes[m], m
+    # Every block's bf16 hidden states, and the text embeddings and the timestep projection (bf16) once.
+    assert r["parts"]["checkpoint_input_bytes"] == 3 * 2 * 96 * 32 * 2 + 2 * 8 * 32 * 2 + 2 * 6 * 32 * 2
+
+
+def test_cli_without_a_vae_config_says_it_took_the_pipelines_defaults(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(WAN, _class_name="WanTransformer3DModel")))
+    for path in (cfg, tmp_path):  # the file, or its folder
+        rc, out, err = cli(capsys, "--diffusers-config", str(path), "--frames", "5", "--height", "32", "--width", "32",
+                           *HW)
+        assert rc == 0, err
+        assert "from WanPipeline's defaults (no VAE config given)" in out
+        assert "latent 2x4x4" in out and "temporal 4, spatial 8" in out and "512 text tokens" in out
+
+
+def test_cli_lora_and_fp8_count_one_byte_a_frozen_linear_weight(tmp_path, capsys):
+    path = pipeline_folder(tmp_path)
+    common = ("--diffusers-config", str(path), "--frames", "9", "--height", "64", "--width", "64", "--json",
+              "--lora-rank", "4", *HW)
+    rc, out, err = cli(capsys, *common)
+    assert rc == 0, err
+    bf16 = json.loads(out)
+    rc, out, err = cli(capsys, *common, "--quantize", "fp8")
+    assert rc == 0, err
+    fp8 = json.loads(out)
+    from ckpt_offload.sizing.diffusion import build_model
+
+    model = build_model(dict(WAN, _class_name="WanTransformer3DModel"), torch.bfloat16)
+    # each frozen linear weight from its built bytes (bf16; fp32 in the time embedder) to one byte
+    linear = sum(m.weight.numel() * (m.weight.element_size() - 1) for m in model.modules()
+                 if isinstance(m, torch.nn.Linear))
+    assert bf16["parts"]["weights_bytes"] - fp8["parts"]["weights_bytes"] == linear
+    assert "base weights fp8" in fp8["recipe"]
+    assert "LoRA r=4 on to_k,to_q,to_v,to_out.0" in bf16["recipe"]
+    # the adapters only train: their gradients and states
+    adapters = bf16["parts"]["grads_bytes"] // 2
+    assert adapters == sum(4 * (m.in_features + m.out_features) for name, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("to_k", "to_q", "to_v")
+                           or name.endswith("to_out.0"))
+
+
+def test_cli_longest_frames_fit_and_the_next_do_not(tmp_path, capsys):
+    path = pipeline_folder(tmp_path)
+    base = ("--diffusers-config", str(path), "--height", "64", "--width", "64", "--json", "--margin", "0", *HW)
+
+    def peaks(frames, *more):
+        rc, out, err = cli(capsys, *base, "--frames", str(frames), *more)
+        assert rc == 0, err
+        return json.loads(out)["modes"]
+
+    none = {f: peaks(f)["none"]["device_peak_bytes"] for f in (9, 13)}
+    device = (none[9] + none[13]) // 2  # 9 frames fit without checkpointing, 13 do not
+    rows = peaks(13, "--device-memory", str(device))
+    assert rows["none"]["longest_frames"] == 9 and not rows["none"]["fits"]
+    assert rows["checkpoint"]["fits"] and rows["checkpoint"]["longest_frames"] > 13
+    f = rows["checkpoint"]["longest_frames"]
+    if rows["checkpoint"]["longest_frames_capped"]:  # the top of the search (twice the 4 latent frames) fits
+        assert f == (2 * 4 - 1) * 4 + 1 and peaks(f)["checkpoint"]["device_peak_bytes"] <= device
+    else:  # without --device-memory nothing is searched: the peaks at f and at the next frame count
+        assert peaks(f)["checkpoint"]["device_peak_bytes"] <= device < peaks(f + 4)["checkpoint"]["device_peak_bytes"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("--height", "64", "--width", "64"), "--frames is required: WanTransformer3DModel is a video model"),
+    (("--frames", "8", "--height", "64", "--width", "64"), "--frames 8: a video's frames must be 1 more than"),
+    (("--frames", "9", "--height", "72", "--width", "64"), "--height 72: not divisible by 16"),
+    (("--frames", "9", "--height", "64", "--width", "100"), "--width 100: not divisible by 16"),
+])
+def test_cli_bad_sizes_one_line_exit_2(tmp_path, capsys, args, expected):
+    rc, out, err = cli(capsys, "--diffusers-config", str(pipeline_folder(tmp_path)), *args, *HW)
+    assert rc == 2 and out == "" and expected in err and err.count("\n") == 1, err
+
+
+def test_cli_bad_configs_one_line_exit_2(tmp_path, capsys):
+    size = ("--frames", "9", "--height", "64", "--width", "64", *HW)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"_class_name": "NoSuchTransformer", "num_layers": 2}))
+    unsized = tmp_path / "unsized.json"
+    unsized.write_text(json.dumps({"_class_name": "AutoencoderKLWan"}))
+    nameless = tmp_path / "nameless.json"
+    nameless.write_text(json.dumps({"num_layers": 2}))
+    for path, expected in ((empty, "no config.json or model_index.json in this folder"),
+                           (tmp_path / "missing", "no such file or folder"),
+                           (unknown, "_class_name 'NoSuchTransformer' is not a diffusers model class"),
+                           (unsized, "_class_name 'AutoencoderKLWan': the command sizes"),
+                           (nameless, "the config has no _class_name")):
+        rc, out, err = cli(capsys, "--diffusers-config", str(path), *size)
+        assert rc == 2 and out == "" and expected in err and err.count("\n") == 1, (path, err)
+    rc, out, err = cli(capsys, "--diffusers-config", str(empty), "--seq", "64", *size)
+    assert rc == 2 and "--seq does not apply with --diffusers-config" in err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 
 import torch
@@ -27,6 +28,8 @@ FAMILIES = {
 }
 # LoRA targets of diffusers' LoRA training scripts (train_dreambooth_lora_flux.py and its siblings).
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+# The longest frame count and the largest resolution are searched up to this multiple of those asked.
+SEARCH_SCALE = 2
 
 
 class DiffusionError(ValueError):
@@ -318,6 +321,16 @@ def _largest(sizer, sizes, usable, host, mode):
     return None
 
 
+def _within_positions(model, layout, lf, lh, lw):
+    """Whether a latent grid is within the positions the model's rotary table takes (Wan's
+    `rope_max_seq_len` along each axis, after the patch)."""
+    cap = model.config.get("rope_max_seq_len")
+    if not cap:
+        return True
+    pt, ph, pw = layout["patch"]
+    return lf // pt <= cap and lh // ph <= cap and lw // pw <= cap
+
+
 def run(args, progress):
     """The report as a dict (the --json schema)."""
     from . import budget, hostmem
@@ -353,16 +366,16 @@ def run(args, progress):
     frame_sizes, res_sizes = [], []
     if device is not None:
         progress("fitting the longest frame count and the largest resolution")
+        lf, lh, lw = layout["latent"]
         if kind == "video":
-            lf = layout["latent"][0]
-            step = pt
-            frame_sizes = [((f - 1) * temporal + 1, args.height, args.width,
-                            f // pt * layout["tokens"] // (lf // pt)) for f in range(step, 4 * lf + 1, step)]
-        import math
-
+            # up to twice the frames asked for (the longest is at least that where the top fits)
+            frame_sizes = [((f - 1) * temporal + 1, args.height, args.width, f // pt * layout["tokens"] // (lf // pt))
+                           for f in range(pt, SEARCH_SCALE * lf + 1, pt) if _within_positions(model, layout, f, lh, lw)]
         g = math.gcd(args.height // unit, args.width // unit)
         a, b = args.height // unit // g, args.width // unit // g
-        res_sizes = [(args.frames, k * a * unit, k * b * unit, k * k * a * b) for k in range(1, 4 * g + 1)]
+        res_sizes = [(args.frames, k * a * unit, k * b * unit, k * k * a * b * (lf // pt))
+                     for k in range(1, SEARCH_SCALE * g + 1)
+                     if _within_positions(model, layout, lf, k * a * unit // spatial, k * b * unit // spatial)]
     modes = {}
     from .estimate import MODES
 
@@ -373,7 +386,9 @@ def run(args, progress):
         modes[m] = dict(device_peak_bytes=int(est.peak_bytes[m]), host_bytes_per_rank=int(est.host_bytes[m]),
                         host_bytes_per_node=int(est.host_bytes[m] * ranks), fits=fits,
                         longest_frames=None if longest is None else longest[0],
-                        largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}")
+                        longest_frames_capped=bool(frame_sizes) and longest == frame_sizes[-1],
+                        largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}",
+                        largest_resolution_capped=bool(res_sizes) and largest == res_sizes[-1])
     modes["plan"] = None
     if device is not None:
         try:
@@ -427,8 +442,10 @@ def format_report(r) -> str:
         if row is None or m == "plan":
             continue
         fits = "?" if row["fits"] is None else "yes" if row["fits"] else "no"
-        longest = "-" if not video else "?" if r["device_memory_bytes"] is None else str(row["longest_frames"] or 0)
-        largest = "?" if r["device_memory_bytes"] is None else (row["largest_resolution"] or "none")
+        longest = "-" if not video else "?" if r["device_memory_bytes"] is None else \
+            (">=" if row["longest_frames_capped"] else "") + str(row["longest_frames"] or 0)
+        largest = "?" if r["device_memory_bytes"] is None else \
+            (">=" if row["largest_resolution_capped"] else "") + (row["largest_resolution"] or "none")
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
                      f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>14} {largest:>12}")
     plan = r["modes"].get("plan")
