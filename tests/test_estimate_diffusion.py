@@ -311,3 +311,32 @@ def test_cli_bad_configs_one_line_exit_2(tmp_path, capsys):
         assert rc == 2 and out == "" and expected in err and err.count("\n") == 1, (path, err)
     rc, out, err = cli(capsys, "--diffusers-config", str(empty), "--seq", "64", *size)
     assert rc == 2 and "--seq does not apply with --diffusers-config" in err
+
+
+# -- published measurements (docs/estimate.md, "Video fine-tuning beside published figures") ------
+
+WAN22 = ("--diffusers-config", os.path.join(ROOT, "benchmarks", "diffusion", "wan2.1-t2v-14b"), "--frames", "25",
+         "--height", "720", "--width", "1280", "--lora-rank", "32", "--lora-targets",
+         "to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2", "--adapter-dtype", "fp32", "--optim", "adamw_bnb_8bit",
+         "--quantize", "fp8", "--host-memory", "512GiB", "--ranks-per-node", "1", "--json")
+# (options, mode, published GB, the page's estimate GB, the page's "off")
+PUBLISHED = [
+    (WAN22, "checkpoint", 46.4, 40.5, "-12.7%"),
+    (WAN22, "checkpoint+offload", 34.4, 30.5, "-11.3%"),
+]
+
+
+def test_published_video_measurements(capsys):
+    page = open(os.path.join(ROOT, "docs", "estimate.md")).read()
+    table = page[page.index("### Video fine-tuning beside published figures"):]
+    runs = {}
+    for options, mode, published, shown, off in PUBLISHED:
+        if options not in runs:
+            rc, out, err = cli(capsys, *options)
+            assert rc == 0, err
+            runs[options] = json.loads(out)
+        ours = round(runs[options]["modes"][mode]["device_peak_bytes"] / 1e9, 1)
+        assert ours == shown, (mode, ours)
+        ratio = f"{(ours / published - 1) * 100:+.1f}%"
+        verdict = "yes" if abs(ours / published - 1) <= 0.10 else "no"
+        assert ratio == off and f"| {published} GB | {shown} GB | {off} | {verdict} |" in table, (mode, ratio)
