@@ -489,7 +489,7 @@ def main(argv=None) -> int:
     if args.diffusers_config is not None:
         from . import diffusion
 
-        return diffusion.main(args)
+        return diffusion.main(args, sys.modules[__name__])
     if args.config is None:
         return _fail("--config (a transformers config.json) or --diffusers-config is required")
     if os.path.isdir(args.config):

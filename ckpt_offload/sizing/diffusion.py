@@ -249,10 +249,10 @@ def add_lora(model, rank, targets=None, dropout=0.0, adapter_dtype=None):
 # ---- python -m ckpt_offload estimate --diffusers-config ------------------------------------------
 
 
-def _recipe_of(args):
-    """(Recipe, the dtype the model is built in, LoRA targets or None) from the command's options."""
+def _recipe_of(args, _DTYPES):
+    """(Recipe, the dtype the model is built in, LoRA targets or None) from the command's options
+    (_DTYPES: the command's dtype names)."""
     from . import recipe as _recipe
-    from .cli import _DTYPES
 
     if args.quantize and not args.lora_rank:
         raise DiffusionError("--quantize freezes the base weights: give LoRA adapters too (--lora-rank)")
@@ -331,13 +331,16 @@ def _within_positions(model, layout, lf, lh, lw):
     return lf // pt <= cap and lh // ph <= cap and lw // pw <= cap
 
 
-def run(args, progress):
-    """The report as a dict (the --json schema)."""
+def run(args, progress, cli):
+    """The report as a dict (the --json schema). cli: the `estimate` command's module, whose
+    readings of the device, the node and the margin this shares."""
     from . import budget, hostmem
-    from .cli import _MarginError, _hardware, _runs, _sources, margin_bytes
+
+    _MarginError, _hardware, _runs, _sources, margin_bytes = (cli._MarginError, cli._hardware, cli._runs,
+                                                              cli._sources, cli.margin_bytes)
 
     tcfg, vcfg, pipeline = read_configs(args.diffusers_config)
-    recipe, dtype, targets = _recipe_of(args)
+    recipe, dtype, targets = _recipe_of(args, cli._DTYPES)
     cls, (_, kind) = model_class(tcfg)
     progress("building the model on the meta device")
     model = build_model(tcfg, dtype)
@@ -416,8 +419,8 @@ def run(args, progress):
             "parts": est.parts, "optimizer_step_peak_bytes": est.step_peak_bytes}
 
 
-def format_report(r) -> str:
-    from .cli import _gib
+def format_report(r, _gib) -> str:
+    """The report as the command prints it (_gib: the command's GiB format)."""
 
     video = r["frames"] is not None
     size = (f"{r['frames']} frames of {r['width']}x{r['height']}" if video else f"{r['width']}x{r['height']}")
@@ -459,11 +462,12 @@ def format_report(r) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
-    """The command for parsed options with --diffusers-config: 0, or 2 with one line on stderr."""
+def main(args, cli) -> int:
+    """The command for parsed options with --diffusers-config (cli: the `estimate` command's module,
+    which calls this): 0, or 2 with one line on stderr."""
     import warnings
 
-    from .cli import _Progress, _fail, _MarginError
+    _Progress, _fail, _MarginError = cli._Progress, cli._fail, cli._MarginError
 
     for opt, value in (("--config", args.config), ("--seq", args.seq), ("--training-args", args.training_args),
                        ("--peft-config", args.peft_config), ("--loss", args.loss)):
@@ -475,11 +479,11 @@ def main(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = run(args, _Progress(quiet=args.json))
+            report = run(args, _Progress(quiet=args.json), cli)
     except (DiffusionError, _MarginError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(report))
     else:
-        print(format_report(report))
+        print(format_report(report, cli._gib))
     return 0
