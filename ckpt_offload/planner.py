@@ -99,7 +99,8 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
 
     def grad_mark(name):
         def hook(grad):
-            probe.mark(name)
+            if name not in probe.marks:  # the first of the tensors hooked for it
+                probe.mark(name)
 
         return hook
 
@@ -108,7 +109,11 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             if _in_backward() or not torch.is_grad_enabled():
                 return
             probe.mark(f"f{i}")
+            # The hidden states: the first positional argument, else (diffusers' blocks called by
+            # keyword) the first keyword argument that carries a gradient.
             x = _first_grad_tensor(args)
+            if x is None:
+                x = _first_grad_tensor(kwargs or {})
             if x is not None:
                 x.register_hook(grad_mark(f"b{i}"))
 
@@ -118,12 +123,14 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
         if _in_backward() or not torch.is_grad_enabled():
             return
         probe.mark(f"f{n}")
-        y = _first_grad_tensor(out)
-        if y is not None:
-            y.register_hook(grad_mark(f"b{n}"))
+        # Every output that carries a gradient (Flux's last block returns the text stream too, which
+        # nothing after it reads): the first gradient to arrive marks the backward's start.
+        for y in torch.utils._pytree.tree_leaves(out):
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                y.register_hook(grad_mark(f"b{n}"))
 
     for i, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(pre(i)))
+        handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
     handles.append(blocks[-1].register_forward_hook(post))
     try:
         model.zero_grad(set_to_none=False)

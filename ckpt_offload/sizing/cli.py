@@ -86,7 +86,16 @@ def _parser():
         prog=f"{command_name()} estimate",
         description="The device and host memory of one training step of a transformers model, per "
                     "checkpointing / offload mode, estimated on the meta device (no GPU, no weights).")
-    p.add_argument("--config", required=True, help="a transformers config.json")
+    p.add_argument("--config", default=None, help="a transformers config.json")
+    p.add_argument("--diffusers-config", default=None, metavar="PATH",
+                   help="instead of --config: a diffusers transformer config.json, its folder, or a pipeline "
+                        "folder (model_index.json, transformer/, vae/); with --height, --width and, for a video "
+                        "model, --frames")
+    p.add_argument("--frames", type=_positive, default=None, help="video frames (--diffusers-config)")
+    p.add_argument("--height", type=_positive, default=None, help="pixels (--diffusers-config)")
+    p.add_argument("--width", type=_positive, default=None, help="pixels (--diffusers-config)")
+    p.add_argument("--text-tokens", type=_positive, default=None,
+                   help="text encoder tokens (--diffusers-config; default: the pipeline's max_sequence_length)")
     p.add_argument("--seq", type=_positive, default=None,
                    help="tokens per sequence (default: --training-args' max_length)")
     p.add_argument("--batch", type=_positive, default=None,
@@ -110,8 +119,9 @@ def _parser():
     p.add_argument("--lora-dropout", type=float, default=None, help="LoRA dropout (default 0: no dropout mask)")
     p.add_argument("--adapter-dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="the adapters' dtype (default fp32: peft upcasts them)")
-    p.add_argument("--quantize", default=None, choices=["nf4", "int8"],
-                   help="the frozen base linear weights as bitsandbytes stores them (QLoRA: nf4)")
+    p.add_argument("--quantize", default=None, choices=["nf4", "int8", "fp8"],
+                   help="the frozen base linear weights as bitsandbytes stores them (QLoRA: nf4), or fp8 "
+                        "(weight-only, one byte a weight, as video trainers run the base)")
     p.add_argument("--optim", default=None, metavar="NAME",
                    help="transformers' optim name: adamw_torch (default), adamw_torch_fused, adamw_bnb_8bit, "
                         "paged_adamw_8bit, adafactor, sgd, ... or none")
@@ -693,6 +703,12 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    if args.diffusers_config is not None:
+        from . import diffusion
+
+        return diffusion.main(args, sys.modules[__name__])
+    if args.config is None:
+        return _fail("--config (a transformers config.json) or --diffusers-config is required")
     if os.path.isdir(args.config):
         return _fail(f"--config {args.config!r} is a directory; give its config.json")
     if not os.path.isfile(args.config):

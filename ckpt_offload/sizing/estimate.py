@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 
 import torch
 from torch import nn
@@ -347,9 +348,22 @@ class _InputSaves:
 
     def pack(self, t):
         if self.saving and not torch.jit.is_scripting():
-            if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t):
+            if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t) \
+                    and self._first_time(t):
                 self.pending += t.numel() * t.element_size()
         return t
+
+    def _first_time(self, t):
+        """Whether no block's checkpoint saved this range of its storage before: the engine sends
+        a range once and shares that copy with every later block that saves it (a diffusion model's
+        text embeddings and timestep projection, inputs to every block)."""
+        key, start = t.untyped_storage()._cdata, t.storage_offset()
+        span = (start, start + t.numel(), t.dtype)
+        ranges = self.sent.setdefault(key, [])
+        if any(a <= span[0] and span[1] <= b and d == span[2] for a, b, d in ranges):
+            return False
+        ranges.append(span)
+        return True
 
     def _is_weight(self, t):
         base = t._base if t._base is not None else t
@@ -361,6 +375,7 @@ class _InputSaves:
         from ..midpoints import _in_backward
 
         self.weights = set()
+        self.sent = {}
         for b in self.blocks:
             for p in [*b.parameters(), *b.buffers()]:
                 self.weights.add(p.untyped_storage()._cdata)
@@ -928,14 +943,75 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="default", lo
     if off_meta:
         raise ValueError(f"estimate_memory: the model and its inputs must be on the meta device (build the model "
                          f"under torch.device('meta')); found tensors on {off_meta}")
-    blocks = find_repeated_blocks(model)
+    diffusers_blocks = _diffusers_blocks(model, example_inputs)
+    blocks = diffusers_blocks or find_repeated_blocks(model)
     if not blocks:
         raise ValueError(f"estimate_memory: no repeated blocks found in {type(model).__name__}")
     if loss_fn is None:
         example_inputs = _with_labels(model, example_inputs)
-    if _container_of(model, blocks) is None:
+    if diffusers_blocks is None and _container_of(model, blocks) is None:
         blocks = _blocks_that_run(model, blocks, example_inputs)
-    return _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
+    # A diffusers model calls its blocks through its own checkpointing function, positionally (by
+    # keyword without it): measured on that path, passed through, as the blocks run under
+    # ckpt_offload's diffusers integration.
+    with _noting_checkpointed(model, []) if diffusers_blocks is not None else contextlib.nullcontext():
+        est = _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
+    if diffusers_blocks is not None:
+        # Dimension 1 of a diffusion model's first input is its latent channels, not a length:
+        # `ckpt_offload.sizing.diffusion` searches the frames and the resolution instead.
+        est.seq, est._resize = None, None
+    return est
+
+
+def _is_diffusers_model(model):
+    mod = sys.modules.get("diffusers")
+    if mod is None:  # not imported: not a diffusers model
+        return False
+    from diffusers.models.modeling_utils import ModelMixin
+
+    return isinstance(model, ModelMixin)
+
+
+@contextlib.contextmanager
+def _noting_checkpointed(model, seen):
+    """diffusers' own checkpointing switched on with a `gradient_checkpointing_func` that notes the
+    module it is given and calls it; each module's previous setting back after."""
+    saved = [(m, m.__dict__.get("gradient_checkpointing"), m.__dict__.get("_gradient_checkpointing_func"))
+             for m in model.modules() if "gradient_checkpointing" in m.__dict__]
+
+    def note(module, *args, **kwargs):
+        seen.append(module)
+        return module(*args, **kwargs)
+
+    try:
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=note)
+        yield
+    finally:
+        for m, flag, func in saved:
+            m.gradient_checkpointing = flag
+            if func is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+
+
+def _diffusers_blocks(model, inputs):
+    """The modules diffusers' own checkpointing wraps on these inputs, in the order the forward
+    calls them (Flux's double-stream blocks, then its single-stream ones; a UNet's resnets and
+    attentions); None for a model that is not a diffusers model supporting gradient checkpointing.
+    One forward on the meta device, with a `gradient_checkpointing_func` that notes each module it
+    is handed, finds them."""
+    if not _is_diffusers_model(model) or not getattr(model, "_supports_gradient_checkpointing", False):
+        return None
+    seen = []
+    with _noting_checkpointed(model, seen), training_mode(model), _Live():
+        _call(model, inputs)
+    out, ids = [], set()
+    for m in seen:
+        if id(m) not in ids:
+            ids.add(id(m))
+            out.append(m)
+    return out or None
 
 
 def _with_labels(model, inputs):

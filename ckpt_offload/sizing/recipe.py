@@ -40,7 +40,7 @@ NF4_BLOCK = 64  # bitsandbytes' 4-bit weights: one absmax per 64 elements
 NF4_NESTED_BLOCK = 256  # double quantization: the absmaxes 8-bit, one fp32 scale per 256 of them
 LOSSES = ("transformers", "fused")  # and "chunked:N"
 GRADS = ("kept", "freed")
-QUANTIZE = ("nf4", "int8")
+QUANTIZE = ("nf4", "int8", "fp8")
 SHARDS = ("fsdp", "zero1", "zero2", "zero3")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -248,6 +248,7 @@ def quantized_bytes(weight: torch.Tensor, quantize: str, double_quant: bool = Tr
     nf4: two elements a byte, an fp32 absmax per 64-element block (double quantization: the absmaxes
     as 8-bit codes, an fp32 scale per 256 of them and one fp32 offset, plus the 256-entry code table),
     and nf4's 16-entry table. int8 (LLM.int8): one byte an element and an fp32 scale per output row.
+    fp8 (weight-only, as video trainers hold the frozen base): one byte an element, scales not counted.
     """
     numel = weight.numel()
     if quantize == "nf4":
@@ -256,6 +257,8 @@ def quantized_bytes(weight: torch.Tensor, quantize: str, double_quant: bool = Tr
         return math.ceil(numel / 2) + absmax + 16 * 4
     if quantize == "int8":
         return numel + 4 * weight.shape[0]
+    if quantize == "fp8":
+        return numel  # weight-only fp8 (float8_e4m3fn): one byte an element
     raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
 
 
