@@ -34,6 +34,7 @@ fi
 "$FLOOR_VENV/bin/python" scripts/floors.py verify
 
 tests=(tests/test_hf.py tests/test_estimate.py tests/test_estimate_models.py tests/test_recipe.py tests/test_budget.py tests/test_planner.py
-       tests/test_finetune.py tests/test_trl.py tests/test_accelerate.py tests/test_compile.py tests/test_diffusers.py)
+       tests/test_finetune.py tests/test_trl.py tests/test_accelerate.py tests/test_compile.py tests/test_diffusers.py
+       tests/test_run_files.py tests/test_estimate_configuration.py)
 [ $# -eq 0 ] || tests=("$@")
 exec "$FLOOR_VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}"

@@ -220,6 +220,25 @@ def _hardware(args, job):
     return device, host, job["ranks_per_node"]
 
 
+def budgets(args, job):
+    """(device bytes, node host bytes, ranks per node, the host bytes one rank may pin, the device
+    margin, the device bytes planned): the figures every estimate command plans with (None where
+    unknown)."""
+    from . import budget, hostmem
+
+    device, host, ranks = _hardware(args, job)
+    # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
+    host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
+    margin = usable = None
+    if device is not None:
+        margin = margin_bytes(device) if args.margin is None else args.margin
+        usable = device - margin
+        if usable <= 0:
+            raise _MarginError(f"the margin ({margin} bytes) leaves nothing of the device memory ({device} bytes); "
+                               f"pass a smaller --margin")
+    return device, host, ranks, host_rank, margin, usable
+
+
 def _sources(args):
     """Where the device and host figures came from, in words."""
     device = "--device-memory" if args.device_memory is not None else "this machine's GPU"
@@ -502,16 +521,7 @@ def run(args, progress=None):
                and isinstance(e, RuntimeError) else "")
         raise _UsageError(f"the estimate cannot size the step of {files}: {type(e).__name__}: {_one_line(e)}{why}") \
             from None
-    device, host, ranks = _hardware(args, job)
-    # One rule for what the node's ranks may pin, as budget="auto" and set_capacity("auto") take it.
-    host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
-    margin = usable = None
-    if device is not None:
-        margin = margin_bytes(device) if args.margin is None else args.margin
-        usable = device - margin
-        if usable <= 0:
-            raise _MarginError(f"the margin ({margin} bytes) leaves nothing of the device memory ({device} bytes); "
-                             f"pass a smaller --margin")
+    device, host, ranks, host_rank, margin, usable = budgets(args, job)
     row = None
     if run_config is not None:
         from .estimate import configuration_row

@@ -334,10 +334,15 @@ def _within_positions(model, layout, lf, lh, lw):
 def run(args, progress, cli):
     """The report as a dict (the --json schema). cli: the `estimate` command's module, whose
     readings of the device, the node and the margin this shares."""
-    from . import budget, hostmem
+    from . import launch
 
-    _MarginError, _hardware, _runs, _sources, margin_bytes = (cli._MarginError, cli._hardware, cli._runs,
-                                                              cli._sources, cli.margin_bytes)
+    _runs, _sources = cli._runs, cli._sources
+    try:
+        job = launch.job(args.ranks, args.ranks_per_node, args.cp, args.accelerate_config)
+    except launch.LaunchError as e:
+        raise DiffusionError(str(e)) from None
+    if job["cp"] > 1:
+        raise DiffusionError(f"--cp {job['cp']}: context parallelism is not sized for diffusion models")
 
     tcfg, vcfg, pipeline = read_configs(args.diffusers_config)
     recipe, dtype, targets = _recipe_of(args, cli._DTYPES)
@@ -354,15 +359,7 @@ def run(args, progress, cli):
     sizer = _Sizer(model, recipe, attention, args.batch or 1, text_tokens, dtype, pipe, vcfg is not None)
     progress(f"estimating {layout['tokens']} latent tokens")
     est = sizer.at(args.frames, args.height, args.width)
-    device, host, ranks = _hardware(args)
-    host_rank = hostmem.share_of(host, budget.HOST_FRACTION, ranks)
-    margin = usable = None
-    if device is not None:
-        margin = margin_bytes(device) if args.margin is None else args.margin
-        usable = device - margin
-        if usable <= 0:
-            raise _MarginError(f"the margin ({margin} bytes) leaves nothing of the device memory ({device} bytes); "
-                               f"pass a smaller --margin")
+    device, host, ranks, host_rank, margin, usable = cli.budgets(args, job)
     temporal, spatial = layout["factors"]
     pt, ph, _ = layout["patch"]
     unit = spatial * ph
