@@ -123,6 +123,14 @@ MUTATIONS = [
         ("tests/test_reliability.py::test_user_stream", "tests/test_checkpoint.py::test_gpu_forward_under_user_stream"),
         gpu=True,
     ),
+    Mutation(
+        25, "pack_order", "the reload order assumed to be the reverse of pack order: a copy shared by a later "
+        "pack stays where it was first packed, so it is prefetched after the layers backward needs it in",
+        "csrc/session_core.cpp",
+        "          move(rec, p.seq, p.group);\n          return;\n",
+        "          return;\n",
+        ("tests/test_checkpoint.py::test_prefetch_counts_layers_and_a_shared_input_comes_back_with_its_last_user",),
+    ),
     # --- Python ------------------------------------------------------------------------------------
     Mutation(
         46, "keep_alive", "a keep-alive list of every checkpoint's inputs (torchtitan #3513)",
@@ -131,6 +139,22 @@ MUTATIONS = [
         "    globals().setdefault(\"_KEEP_ALIVE\", []).extend(args)\n"
         "    return _run_hooked(session, function, args, kwargs, keep)\n",
         ("tests/test_pitfalls.py::test_row46_two_hundred_steps_stay_flat",),
+    ),
+    Mutation(
+        46, "clear_at_exit", "a leak fix that releases the context's records at its exit (trl #5700): a backward "
+        "run after the context finds their copies gone",
+        "ckpt_offload/activations.py",
+        "            self.session.end()\n        return False\n",
+        "            self.session.end()\n"
+        "            from . import engine as _engine\n"
+        "            for rec in self.session._core.live_records():\n"
+        "                for eng in _engine._C.all_engines():\n"
+        "                    try:\n"
+        "                        eng.release(rec.handle)\n"
+        "                    except ValueError:  # another engine's handle\n"
+        "                        pass\n"
+        "        return False\n",
+        ("tests/test_pitfalls.py::test_row46_two_hundred_steps_stay_flat[backward_after_the_context_exits]",),
     ),
     Mutation(
         45, "rng_flag", "the recompute runs without the forward's RNG state (the flag lost on the way to torch)",
