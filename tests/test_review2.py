@@ -286,7 +286,7 @@ def test_the_drop_in_checkpoint_reloads_nothing_of_another_graph_still_alive():
 
 def test_the_drop_in_checkpoint_keeps_one_graph_one_forward_across_ops_and_branches():
     """Branches and ops between checkpoint calls make one forward with one graph: every reload is
-    correct. (It does not hold PITFALLS 25: with the reload order assumed to be the reverse of the
+    correct. (It does not hold the defect list's row 25: with the reload order assumed to be the reverse of the
     pack order put back, it still passes; benchmarks/results/mutations-2026-12-07/row-25-probe.txt.)"""
     w = torch.randn(32, 32, requires_grad=True)
 
