@@ -401,7 +401,7 @@ def test_once_learned_no_python_of_the_package_runs_per_saved_tensor_or_in_backw
     backward = _package_calls(lambda: out[0].square().sum().backward())
     assert backward == []
     # The session's Python in the forward: the model's own once-per-forward work, nothing per tensor.
-    per_forward = {"exclude_module_tensors", "_gather_root", "root_storages", "_storage_ref"}
+    per_forward = {"exclude_module_tensors", "refuse_capture", "_gather_root", "root_storages", "_storage_ref"}
     assert {name for file, name in forward if file == "session.py"} <= per_forward, forward
     layer_calls = [c for c in forward if c == ("attachment.py", "_block_forward")]
     assert len(layer_calls) == len(model)

@@ -418,6 +418,7 @@ def test_row48_placed_at_the_first_forward(tmp_path, monkeypatch, fake_gpus, pla
     monkeypatch.setattr(hostmem, "SYSFS_ROOT", root)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # the faked CUDA captures nothing
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(engine, "_numa", None)
     monkeypatch.setattr(engine, "_forward_hook", engine._on_forward)
