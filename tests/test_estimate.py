@@ -42,6 +42,15 @@ def measured(model, inputs, loss_fn, mode, optimizer=True):
         del out  # as a trainer does: the outputs (logits, a cache) go before the backward
         loss.backward()
 
+    peak, sent = steady_step(model, step, opt, params, inputs)
+    ckpt_offload.disable_checkpointing(model)
+    return peak, sent
+
+
+def steady_step(model, step, opt, params, inputs):
+    """(peak live bytes, bytes offloaded) of the second of two calls of step(): the first (and an
+    optimizer step, opt not None) allocates the gradients of params and the states; the weights,
+    gradients, buffers, states and the tensors in inputs count as live throughout."""
     step()
     if opt is not None:
         opt.step()
@@ -54,9 +63,7 @@ def measured(model, inputs, loss_fn, mode, optimizer=True):
         live.add([*model.parameters(), *(p.grad for p in params), *model.buffers(), *tensors, *states])
         step()
     ckpt_offload.synchronize()
-    sent = ckpt_offload.stats()["bytes_offloaded"]
-    ckpt_offload.disable_checkpointing(model)
-    return live.peak, sent
+    return live.peak, ckpt_offload.stats()["bytes_offloaded"]
 
 
 def check_all_modes(build, inputs, loss_fn, attention, optimizer="adamw"):

@@ -8,7 +8,7 @@ import torch
 import ckpt_offload
 from ckpt_offload.sizing.estimate import estimate_memory
 from ckpt_offload.sizing.recipe import Recipe
-from ckpt_offload.testing import LiveBytes
+from test_estimate import steady_step
 from tiny_gpt import make_batch
 
 transformers = pytest.importorskip("transformers")
@@ -39,17 +39,7 @@ def measured(ids, config):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    step()
-    opt.step()
-    model.zero_grad(set_to_none=False)
-    ckpt_offload.synchronize()
-    ckpt_offload.reset_stats()
-    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    with LiveBytes() as live:
-        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids, *states])
-        step()
-    ckpt_offload.synchronize()
-    return live.peak, ckpt_offload.stats()["bytes_offloaded"]
+    return steady_step(model, step, opt, list(model.parameters()), ids)
 
 
 def test_fp32_master_weights_under_bf16_autocast_match_a_real_step():

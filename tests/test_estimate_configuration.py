@@ -10,7 +10,7 @@ import torch
 import ckpt_offload
 from ckpt_offload.selection import block_modes
 from ckpt_offload.sizing.estimate import estimate_memory
-from ckpt_offload.testing import LiveBytes
+from test_estimate import steady_step
 from tiny_gpt import make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("test_cpu", "one_thread")
@@ -34,22 +34,12 @@ def measured(model, ids, **config):
     def step():
         loss_fn(model(ids)).backward()
 
-    step()
-    opt.step()
-    model.zero_grad(set_to_none=False)
-    ckpt_offload.synchronize()
-    ckpt_offload.reset_stats()
-    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    with LiveBytes() as live:
-        live.add([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(), ids, *states])
-        step()
-    ckpt_offload.synchronize()
-    sent = ckpt_offload.stats()["bytes_offloaded"]
+    peak, sent = steady_step(model, step, opt, list(model.parameters()), ids)
     checkpointed, offloaded = ckpt_offload.checkpointing_state(model)
     ckpt_offload.disable_checkpointing(model)
     n = len(ckpt_offload.find_repeated_blocks(model))
     modes = ["checkpoint+offload" if i in offloaded else "checkpoint" if i in checkpointed else "none" for i in range(n)]
-    return live.peak, sent, modes
+    return peak, sent, modes
 
 
 def test_each_configuration_row_matches_the_real_step_it_configures():

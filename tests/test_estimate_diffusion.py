@@ -14,7 +14,7 @@ import torch
 
 import ckpt_offload
 from ckpt_offload.sizing.estimate import estimate_memory
-from ckpt_offload.testing import LiveBytes
+from test_estimate import steady_step
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 
@@ -99,20 +99,10 @@ def measured(model, inputs, mode):
         del out
         value.backward()
 
-    step()
-    opt.step()
-    model.zero_grad(set_to_none=False)
-    ckpt_offload.synchronize()
-    ckpt_offload.reset_stats()
-    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-    with LiveBytes() as live:
-        live.add([*model.parameters(), *(p.grad for p in params), *model.buffers(), *tensors, *states])
-        step()
-    ckpt_offload.synchronize()
-    sent = ckpt_offload.stats()["bytes_offloaded"]
+    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}  # the live inputs: top-level tensors
+    peak, sent = steady_step(model, step, opt, params, top)
     ckpt_offload.disable_checkpointing(model)
-    return live.peak, sent
+    return peak, sent
 
 
 def check_all_modes(build, inputs):

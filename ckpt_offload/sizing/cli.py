@@ -45,24 +45,21 @@ def parse_margin(text: str) -> int:
     return parse_size(text)
 
 
-def _positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _int_at_least(minimum, what):
+    """An argparse type: an integer >= minimum, else an error that says `what` was expected."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _count(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return v
+_positive = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "a whole number >= 0")
 
 
 _RUN_FLAGS = (("every_n_layers", "every_n_layers"), ("offload", "offload"), ("keep_last", "keep_last"),
