@@ -4,6 +4,7 @@ AdamW's states kept from a previous step, weights and inputs counted), the host 
 the engine offloads; the checkpoint inputs of Qwen3-8B's shape at 128k; the CLI's JSON."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -428,6 +429,7 @@ def test_identical_blocks_measured_once_give_the_figures_of_all_measured(monkeyp
 def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
     # docs/estimate.md shows the command's transcripts for its Llama-3.1-8B-shaped config: each one is
     # run here as written (in this process), and its output must be the page's, figure for figure.
+    import transformers
     from test_docs import fences
 
     from ckpt_offload.sizing.cli import main
@@ -446,6 +448,30 @@ def test_the_worked_example_on_its_page_is_what_the_command_prints(tmp_path, mon
             runs.append((command[len("$ python -m ckpt_offload estimate "):].split(), shown.strip()))
     assert len(runs) == 8  # full fine-tuning pure bf16, fp32 master, sharded; LoRA at 8k, 32k, 32k every second
     # layer (the "your run" row), 128k, 128k fused
+    # The page's figures are those of the transformers release constraints.txt pins; another release's
+    # model code allocates differently (5.17's fp32-master Llama: 0.17 GiB more at the peak), so there
+    # the same text is asked for with each figure within 0.5% of the page's.
+    pinned = _pinned("transformers") == transformers.__version__
     for argv, shown in runs:
         assert main(argv) == 0
-        assert capsys.readouterr().out.strip() == shown, " ".join(argv)
+        out = capsys.readouterr().out.strip()
+        if pinned:
+            assert out == shown, " ".join(argv)
+        else:
+            _same_within(out, shown, 0.005, " ".join(argv))
+
+
+def _pinned(name):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "constraints.txt")
+    for line in open(path):
+        if line.split("==")[0].strip().lower() == name:
+            return line.split("==")[1].strip()
+    raise AssertionError(f"{name} is not pinned in constraints.txt")
+
+
+def _same_within(out, shown, rel, what):
+    """`out` is `shown` but for its decimal figures, each within `rel` of the page's."""
+    number = re.compile(r"\d+\.\d+")
+    assert number.sub("#", out) == number.sub("#", shown), what
+    for got, want in zip(number.findall(out), number.findall(shown)):
+        assert abs(float(got) - float(want)) <= rel * max(float(want), 1.0), (what, got, want)
