@@ -289,12 +289,21 @@ class _Sizer:
         return self.cache[key][0]
 
 
+def _bytes(est, mode):
+    """(peak, host bytes) of a uniform mode (a name) or of one mode per block (a list: a configuration's)."""
+    if isinstance(mode, str):
+        return est.peak_bytes[mode], est.host_bytes[mode]
+    return est.peak_of(mode), est.cost_model.host_bytes(mode)
+
+
 def _fits(est, mode, usable, host):
-    return est.peak_bytes[mode] <= usable and (host is None or est.host_bytes[mode] <= host)
+    peak, hb = _bytes(est, mode)
+    return peak <= usable and (host is None or hb <= host)
 
 
 def _largest(sizer, sizes, usable, host, mode):
-    """The largest of `sizes` (ascending, each a (frames, height, width, tokens)) that fits `mode`:
+    """The largest of `sizes` (ascending, each a (frames, height, width, tokens)) that fits `mode` (a
+    uniform mode's name, or one mode per block):
     read off a line through two estimates' peaks against the tokens (attention that keeps no
     probabilities: every term linear in the tokens), then confirmed by an estimate there, and the
     next smaller until one fits. None when not even the smallest fits."""
@@ -309,8 +318,8 @@ def _largest(sizer, sizes, usable, host, mode):
         def line(a, b):
             return lambda t: a + (b - a) * (t - t1) / (t2 - t1)
 
-        peak = line(e1.peak_bytes[mode], e2.peak_bytes[mode])
-        hb = line(e1.host_bytes[mode], e2.host_bytes[mode])
+        (p1, h1), (p2, h2) = _bytes(e1, mode), _bytes(e2, mode)
+        peak, hb = line(p1, p2), line(h1, h2)
         start = max((i for i, s in enumerate(sizes) if peak(s[3]) <= usable and (host is None or hb(s[3]) <= host)),
                     default=0)
     else:
@@ -344,6 +353,14 @@ def run(args, progress, cli):
     if job["cp"] > 1:
         raise DiffusionError(f"--cp {job['cp']}: context parallelism is not sized for diffusion models")
 
+    run_config, source = cli.configuration(args)
+    if run_config is not None:
+        from .estimate import configuration_row
+
+        try:  # what the row cannot size (a policy, offload_all) said before anything is built
+            configuration_row(None, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise DiffusionError(str(e)) from None
     tcfg, vcfg, pipeline = read_configs(args.diffusers_config)
     recipe, dtype, targets = _recipe_of(args, cli._DTYPES)
     cls, (_, kind) = model_class(tcfg)
@@ -359,6 +376,14 @@ def run(args, progress, cli):
     sizer = _Sizer(model, recipe, attention, args.batch or 1, text_tokens, dtype, pipe, vcfg is not None)
     progress(f"estimating {layout['tokens']} latent tokens")
     est = sizer.at(args.frames, args.height, args.width)
+    row = None
+    if run_config is not None:
+        from .estimate import configuration_row
+
+        try:  # the blocks diffusers' checkpointing wraps, in forward order (Flux: double, then single-stream)
+            row = configuration_row(est, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise DiffusionError(str(e)) from None
     device, host, ranks, host_rank, margin, usable = cli.budgets(args, job)
     temporal, spatial = layout["factors"]
     pt, ph, _ = layout["patch"]
@@ -389,6 +414,18 @@ def run(args, progress, cli):
                         longest_frames_capped=bool(frame_sizes) and longest == frame_sizes[-1],
                         largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}",
                         largest_resolution_capped=bool(res_sizes) and largest == res_sizes[-1])
+    your_run = None
+    if row is not None:
+        longest = _largest(sizer, frame_sizes, usable, host_rank, row.modes) if frame_sizes else None
+        largest = _largest(sizer, res_sizes, usable, host_rank, row.modes) if res_sizes else None
+        your_run = dict(configuration=row.label, source=source, device_peak_bytes=row.peak_bytes,
+                        host_bytes_per_rank=row.host_bytes, host_bytes_per_node=row.host_bytes * ranks,
+                        fits=None if device is None else _fits(est, row.modes, usable, host_rank),
+                        longest_frames=None if longest is None else longest[0],
+                        longest_frames_capped=bool(frame_sizes) and longest == frame_sizes[-1],
+                        largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}",
+                        largest_resolution_capped=bool(res_sizes) and largest == res_sizes[-1],
+                        blocks=cli._counts(row.modes))
     modes["plan"] = None
     if device is not None:
         try:
@@ -413,7 +450,7 @@ def run(args, progress, cli):
             "dtype": str(dtype).replace("torch.", ""), "attention": est.attention, "recipe": described,
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "sources": _sources(args), "modes": modes,
-            "parts": est.parts, "optimizer_step_peak_bytes": est.step_peak_bytes}
+            "your_run": your_run, "parts": est.parts, "optimizer_step_peak_bytes": est.step_peak_bytes}
 
 
 def format_report(r, _gib) -> str:
@@ -438,7 +475,8 @@ def format_report(r, _gib) -> str:
              f"recipe: {r['recipe']}",
              f"{'mode':<20} {'device GiB':>10} {'host GiB/rank':>13} {'host GiB/node':>13} {'fits':>5} "
              f"{'longest frames':>14} {'largest WxH':>12}"]
-    for m, row in r["modes"].items():
+    mine = r.get("your_run")
+    for m, row in [*r["modes"].items(), *([("your run", mine)] if mine is not None else [])]:
         if row is None or m == "plan":
             continue
         fits = "?" if row["fits"] is None else "yes" if row["fits"] else "no"
@@ -448,6 +486,8 @@ def format_report(r, _gib) -> str:
             (">=" if row["largest_resolution_capped"] else "") + (row["largest_resolution"] or "none")
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
                      f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>14} {largest:>12}")
+    if mine is not None:
+        lines.append(f"your run: {mine['configuration']} (from {mine['source']}): {mine['blocks']}")
     plan = r["modes"].get("plan")
     if plan is not None:
         lines.append(f"plan: {plan['blocks']}, {_gib(plan['device_peak_bytes'])} GiB"
