@@ -138,3 +138,129 @@ def test_cli_refuses_what_the_row_cannot_size_in_one_line(tmp_path, capsys, args
     rc, out, err = cli(capsys, "--diffusers-config", path, "--frames", "9", "--height", "128", "--width", "128",
                        *args, *HW)
     assert rc == 2 and out == "" and expected in err and err.count("\n") == 1, err
+
+
+# -- the families: LTX-Video -----------------------------------------------------------------------
+
+LTX = dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+           cross_attention_dim=16, num_layers=3, caption_channels=16)
+
+
+def ltx():
+    torch.manual_seed(0)
+    return diffusers.LTXVideoTransformer3DModel.from_config(LTX)
+
+
+def ltx_inputs(batch=2, frames=3, size=8, text=8):
+    # as LTXPipeline passes them: the latents packed into frames x size x size tokens, the text mask,
+    # the latent grid, the rotary scale (its VAE's factors 8 and 32 over its 25 frames a second)
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(batch, frames * size * size, 8, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 16, generator=g),
+                timestep=torch.tensor([10.0, 500.0][:batch]), encoder_attention_mask=torch.ones(batch, text).bool(),
+                num_frames=frames, height=size, width=size, rope_interpolation_scale=(8 / 25, 32, 32),
+                return_dict=False)
+
+
+def configure(model, blocks, mode):
+    # The blocks called as diffusers' own checkpointing calls them (positionally), through a
+    # function that only calls them, and checkpointed by ckpt_offload.
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
+    if mode == "checkpoint":
+        ckpt_offload.enable_checkpointing(model, offload=False, layers=blocks)
+    elif mode == "checkpoint+offload":
+        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, layers=blocks)
+    elif mode == "every_n=2":
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False, layers=blocks)
+
+
+def measured(model, blocks, inputs, mode):
+    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode."""
+    configure(model, blocks, mode)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step():
+        out = model(**inputs)
+        value = loss(out)
+        del out
+        value.backward()
+
+    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    peak, sent = steady_step(model, step, opt, params, top)
+    ckpt_offload.disable_checkpointing(model)
+    return peak, sent
+
+
+def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
+    # 17 frames of 256x256 at LTXPipeline's factors (temporal 8, spatial 32, no VAE config): the
+    # latent 3x8x8, 192 tokens after the 1x1x1 patch
+    path = write_config(tmp_path, "LTXVideoTransformer3DModel", LTX)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--frames", "17", "--height", "256", "--width", "256",
+                       "--batch", "2", "--text-tokens", "8", "--dtype", "fp32", "--attention", "flash", "--json", *HW)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["latent"] == [3, 8, 8] and r["tokens"] == 192 and r["blocks"] == 3
+    assert r["vae_factors"] == {"temporal": 8, "spatial": 32}
+    seen = {}
+    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
+        model = ltx()
+        peak, sent = measured(model, list(model.transformer_blocks), ltx_inputs(), mode)
+        row = r["modes"][mode]
+        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
+    for mode, (est_peak, peak, est_host, sent) in seen.items():
+        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
+        assert est_host == sent, (mode, seen)
+    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+
+
+LTX_VAE = {"_class_name": "AutoencoderKLLTXVideo", "in_channels": 3, "out_channels": 3, "latent_channels": 8,
+           "block_out_channels": [8, 8, 8, 8], "decoder_block_out_channels": [8, 8, 8, 8],
+           "layers_per_block": [1, 1, 1, 1, 1], "decoder_layers_per_block": [1, 1, 1, 1, 1],
+           "spatio_temporal_scaling": [True, True, False, False],
+           "decoder_spatio_temporal_scaling": [True, True, False, False], "patch_size": 2, "patch_size_t": 1}
+
+
+def test_cli_ltx_pipeline_folder_takes_the_vaes_factors(tmp_path, capsys):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(dict(LTX, _class_name="LTXVideoTransformer3DModel")))
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(LTX_VAE))
+    # diffusers' AutoencoderKLLTXVideo: spatial patch 2 x two 2x scalings, temporal 1 x the same two
+    vae = diffusers.AutoencoderKLLTXVideo.from_config({k: v for k, v in LTX_VAE.items() if k != "_class_name"})
+    assert (vae.temporal_compression_ratio, vae.spatial_compression_ratio) == (4, 8)
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path), "--frames", "9", "--height", "64", "--width",
+                       "128", *HW)
+    assert rc == 0, err
+    assert ("latent 3x8x16 (VAE factors temporal 4, spatial 8, from the VAE's config), patch 1x1x1: 384 tokens "
+            "+ 128 text tokens; 3 blocks") in out  # 128: LTXPipeline's max_sequence_length
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path), "--frames", "8", "--height", "64", "--width",
+                       "128", *HW)
+    assert rc == 2 and "--frames 8: a video's frames must be 1 more than a multiple of the VAE's temporal factor 4 " \
+        "(5 or 9)" in err and err.count("\n") == 1, err
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path / "transformer"), "--frames", "5", "--height", "64",
+                       "--width", "128", *HW)
+    assert rc == 2 and "--frames 5: a video's frames must be 1 more than a multiple of the VAE's temporal factor 8 " \
+        "(1 or 9)" in err, err  # without the VAE: LTXPipeline's own factors
+
+
+# -- what the command does not size ---------------------------------------------------------------
+
+def test_cli_refuses_a_unet_naming_what_to_do_instead(tmp_path, capsys):
+    path = write_config(tmp_path, "UNet2DConditionModel", {"sample_size": 8})
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "_class_name 'UNet2DConditionModel' is not sized by the command" in err
+    assert "ckpt_offload.estimate_memory(model, inputs)" in err and "sample, timestep, encoder_hidden_states" in err
+
+
+@pytest.mark.parametrize("cls_name", ["SD3Transformer2DModel", "QwenImageTransformer2DModel"])
+def test_cli_refuses_the_two_stream_image_models_it_does_not_size(tmp_path, capsys, cls_name):
+    # Their checkpointed peaks compose over the real step's by more than 3% (the blocks carry the
+    # text stream beside the image's): not offered until they are within it.
+    path = write_config(tmp_path, cls_name, {})
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"_class_name {cls_name!r}: the command sizes FluxTransformer2DModel, HunyuanVideoTransformer3DModel, " \
+        "LTXVideoTransformer3DModel, WanTransformer3DModel; for another model" in err
