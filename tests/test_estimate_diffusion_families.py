@@ -1,7 +1,7 @@
 """`python -m ckpt_offload estimate --diffusers-config`: the row of the exact configuration a run
 uses (--every-n-layers, --offload, --keep-last) against the same step run for real on the CPU test
-path under ckpt_offload's diffusers integration; and the families the command sizes, each a tiny
-config of diffusers' own class, every mode against a real step."""
+path, the blocks diffusers' checkpointing hands over checkpointed by ckpt_offload; the families the
+command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
 import json
 
 import pytest
@@ -62,14 +62,15 @@ YOUR_RUN = {
 # checkpoint one by one, and offloads them; the estimate measures the blocks checkpointed as
 # enable_checkpointing runs them, which keeps those tensors on the device. Measured on the tiny Wan:
 # the integration sends 77,312 bytes, the row counts 52,736 (the 24,576 bytes of the cos and sin
-# tables); the peaks within 3%. Open until the estimate measures a diffusers model on the
-# integration's path.
+# tables); the peaks within 3%. Measuring the blocks on the integration's path counts them, but then
+# the tiny LoRA Wan's checkpoint+offload peak is 3.4% under the integration's step (1,503,936 against
+# 1,556,560 bytes): open until both hold.
 TUPLE_GAP = pytest.mark.xfail(strict=True, reason="the rotary tables the integration offloads are not counted")
 
 
-@pytest.mark.parametrize("integration", [False, pytest.param(True, marks=TUPLE_GAP)],
-                         ids=["enable_checkpointing", "integrations.diffusers"])
-@pytest.mark.parametrize("kind", ["wan", "flux"])
+@pytest.mark.parametrize("kind,integration", [("wan", False), ("flux", False),
+                                              pytest.param("wan", True, marks=TUPLE_GAP)],
+                         ids=["wan-enable_checkpointing", "flux-enable_checkpointing", "wan-integrations.diffusers"])
 def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind, integration):
     build, inputs, cls_name, cfg, size = YOUR_RUN[kind]
     path = write_config(tmp_path, cls_name, cfg)
@@ -99,11 +100,8 @@ def test_cli_prints_your_run_row_with_its_label(tmp_path, capsys):
     from ckpt_offload.sizing.diffusion import format_report
 
     path = write_config(tmp_path, "WanTransformer3DModel", WAN)
-    base = ("--diffusers-config", path, "--frames", "9", "--height", "128", "--width", "128", "--text-tokens", "8",
+    base = ("--diffusers-config", path, "--frames", "5", "--height", "48", "--width", "64", "--text-tokens", "8",
             *HW)
-    rc, out, err = cli(capsys, *base, "--json")
-    assert rc == 0, err
-    assert json.loads(out)["your_run"] is None
     rc, out, err = cli(capsys, *base, "--every-n-layers", "2", "--no-offload")  # the text the command prints
     assert rc == 0, err
     lines = out.splitlines()
@@ -119,7 +117,7 @@ def test_cli_prints_your_run_row_with_its_label(tmp_path, capsys):
     mine = r["your_run"]
     assert mine["configuration"] == "every_n_layers=2, no offload" and mine["fits"] is True
     # blocks 0 and 2 checkpointed, nothing offloaded: the uniform every_n=2 row, searched the same
-    same = {k: v for k, v in r["modes"]["every_n=2"].items()}
+    same = dict(r["modes"]["every_n=2"])
     assert {k: mine[k] for k in same} == same and same["host_bytes_per_rank"] == 0
     lines = format_report(r, _gib).splitlines()
     row = next(line for line in lines if line.startswith("your run "))
@@ -202,6 +200,7 @@ def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
     r = json.loads(out)
     assert r["latent"] == [3, 8, 8] and r["tokens"] == 192 and r["blocks"] == 3
     assert r["vae_factors"] == {"temporal": 8, "spatial": 32}
+    assert r["your_run"] is None  # no configuration asked for: no row
     seen = {}
     for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
         model = ltx()
@@ -225,7 +224,8 @@ def test_cli_ltx_pipeline_folder_takes_the_vaes_factors(tmp_path, capsys):
     (tmp_path / "transformer").mkdir()
     (tmp_path / "vae").mkdir()
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(dict(LTX, _class_name="LTXVideoTransformer3DModel")))
+    transformer = dict(LTX, _class_name="LTXVideoTransformer3DModel")
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(transformer))
     (tmp_path / "vae" / "config.json").write_text(json.dumps(LTX_VAE))
     # diffusers' AutoencoderKLLTXVideo: spatial patch 2 x two 2x scalings, temporal 1 x the same two
     vae = diffusers.AutoencoderKLLTXVideo.from_config({k: v for k, v in LTX_VAE.items() if k != "_class_name"})
