@@ -405,8 +405,6 @@ def run(args, progress, cli):
     est = sizer.at(args.frames, args.height, args.width)
     row = None
     if run_config is not None:
-        from .estimate import configuration_row
-
         try:  # the blocks diffusers' checkpointing wraps, in forward order (Flux: double, then single-stream)
             row = configuration_row(est, **run_config, where=f"your run ({source})")
         except ValueError as e:
