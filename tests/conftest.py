@@ -60,6 +60,20 @@ def clean_stats():
 
 
 @pytest.fixture(autouse=True)
+def warnings_not_yet_shown(monkeypatch):
+    """The warnings the package shows once per process are unshown before every test, so that a test
+    sees them as it would alone, whichever tests ran before it in the same process (scripts/test.sh
+    hands whole files to two processes, in no fixed order)."""
+    import ckpt_offload.checkpointing as checkpointing
+    import ckpt_offload.session as session
+
+    for module, name in ((checkpointing, "_kwarg_warned"), (checkpointing, "_container_warned"),
+                         (session, "_refusal_warned"), (session, "_unmovable_warned")):
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.setattr(session, "_subclass_warned", set())
+
+
+@pytest.fixture(autouse=True)
 def no_hf_routing():
     """hf.install() (implied by hf.install_checkpointing_args(offload=True)) patches transformers for the
     whole process: undone after every test, so that no test sees another's routing."""
