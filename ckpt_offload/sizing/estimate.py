@@ -359,7 +359,8 @@ class _InputSaves:
         every block); for a view with gaps between its elements (one of two streams sliced from one
         tensor, as HunyuanVideo's single-stream blocks return them), the whole storage when it is
         at most 4 times the view's elements, then shared with the storage's other views, else the
-        view's own elements, compacted and shared with none."""
+        view's own elements, compacted and shared with none; otherwise the range the tensor spans
+        (less than its elements for an expanded one)."""
         key, start, n = t.untyped_storage()._cdata, t.storage_offset(), t.numel()
         end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if n else 0)
         ranges = self.sent.setdefault(key, [])
@@ -369,9 +370,10 @@ class _InputSaves:
         if end - start > n and storage <= 4 * n:
             ranges.append((0, storage, t.dtype))
             return storage * t.element_size()
-        if t.is_contiguous():
-            ranges.append((start, end, t.dtype))
-        return n * t.element_size()
+        if end - start > n:
+            return n * t.element_size()
+        ranges.append((start, end, t.dtype))
+        return (end - start) * t.element_size()
 
     def _is_weight(self, t):
         base = t._base if t._base is not None else t
