@@ -5,7 +5,8 @@
 # not a second torch. Checks first that constraints-floor.txt names pyproject.toml's floors.
 # Extra arguments go to pytest (in place of the default test list).
 #
-# Environment: VENV (.venv, set up by scripts/setup.sh when missing), FLOOR_VENV (.venv-floor).
+# Environment: VENV (.venv, set up by scripts/setup.sh when missing), FLOOR_VENV (.venv-floor),
+# TEST_WORKERS (2: pytest-xdist processes, whole files each, as scripts/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -37,4 +38,8 @@ tests=(tests/test_hf.py tests/test_estimate.py tests/test_estimate_models.py tes
        tests/test_finetune.py tests/test_trl.py tests/test_accelerate.py tests/test_compile.py tests/test_diffusers.py
        tests/test_run_files.py tests/test_estimate_configuration.py)
 [ $# -eq 0 ] || tests=("$@")
-exec "$FLOOR_VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}"
+workers=${TEST_WORKERS:-2}
+case "$workers" in ''|*[!0-9]*|0) echo "test_floor.sh: TEST_WORKERS must be a positive integer, not '$workers'" >&2; exit 2 ;; esac
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
+exec "$FLOOR_VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" "${tests[@]}"

@@ -279,3 +279,22 @@ def test_a_first_forward_that_raises_inside_a_block_leaks_nothing():
     loss_of(model, ids).backward()
     s = ckpt_offload.stats()
     assert s["reloads_on_demand"] == 0 and s["midpoint_misses"] == 0 and s["host_in_use_bytes"] == 0
+
+
+def test_live_bytes_counts_a_storage_out_the_moment_it_is_freed():
+    # Not at the next op: the count is right between ops too. A storage that a view or autograd's
+    # saved tensors still hold stays counted; the graph's end frees it.
+    with LiveBytes() as live:
+        w = torch.randn(256, requires_grad=True)  # 1 KiB
+        base = live.now
+        y = w * 2  # 1 KiB, which sin saves for its backward
+        z = y.sin()  # 1 KiB
+        v = y[128:]
+        assert live.now == base + 2048
+        del y
+        assert live.now == base + 2048  # the view and the saved tensor hold it
+        del v
+        assert live.now == base + 2048  # the saved tensor holds it
+        del z  # the graph goes, and y's storage with it
+        assert live.now == base
+        assert live.peak == base + 2048

@@ -19,12 +19,23 @@ import torch
 from torch import nn
 
 # The pipeline diffusers pairs with each transformer class that the command sizes, and how its
-# inputs are laid out: "video" ([B, C, F, H, W] latents), "packed" (Flux: 2x2 latent patches packed
-# into tokens by the pipeline, with position ids).
+# inputs are laid out: "video" ([B, C, F, H, W] latents, patched by the transformer), "video-packed"
+# (LTX-Video: the pipeline packs the latents into tokens by the transformer's patch sizes), "packed"
+# (Flux: 2x2 latent patches packed into tokens by the pipeline, with position ids).
 FAMILIES = {
     "WanTransformer3DModel": ("WanPipeline", "video"),
     "HunyuanVideoTransformer3DModel": ("HunyuanVideoPipeline", "video"),
+    "LTXVideoTransformer3DModel": ("LTXPipeline", "video-packed"),
     "FluxTransformer2DModel": ("FluxPipeline", "packed"),
+}
+# Where a pipeline keeps its VAE's factors, as diffusers' pipelines name them (the first one it has).
+SPATIAL_FACTOR = ("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor")
+TEMPORAL_FACTOR = ("vae_scale_factor_temporal", "vae_temporal_compression_ratio")
+# Models the command does not size, and what to do instead.
+REFUSED = {
+    "UNet2DConditionModel": "a UNet's latents are not tokens of one sequence: pass the model (built on the meta "
+                            "device) and its inputs (sample, timestep, encoder_hidden_states) to "
+                            "ckpt_offload.estimate_memory(model, inputs)",
 }
 # LoRA targets of diffusers' LoRA training scripts (train_dreambooth_lora_flux.py and its siblings).
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
@@ -96,6 +107,8 @@ def model_class(cfg):
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise DiffusionError(f"--diffusers-config: _class_name {name!r} is not a diffusers model class")
+    if name in REFUSED:
+        raise DiffusionError(f"--diffusers-config: _class_name {name!r} is not sized by the command: {REFUSED[name]}")
     if name not in FAMILIES:
         raise DiffusionError(f"--diffusers-config: _class_name {name!r}: the command sizes "
                              f"{', '.join(sorted(FAMILIES))}; for another model pass its inputs to "
@@ -149,14 +162,19 @@ def pipeline_of(cls_name, pipeline_name, vae_cfg):
     return pipe, (tokens.default if tokens is not None else None)
 
 
+def _factor(pipe, names):
+    return next((getattr(pipe, n) for n in names if getattr(pipe, n, None)), None)
+
+
 def latent_layout(model, pipe, frames, height, width, vae_given):
     """The latent grid (frames, height, width) and tokens a step at this size gives, or a
     DiffusionError naming the argument that does not divide."""
     cfg = model.config
     name = type(model).__name__
     kind = FAMILIES[name][1]
-    spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor")
-    temporal = getattr(pipe, "vae_scale_factor_temporal", None) if kind == "video" else None
+    video = kind.startswith("video")
+    spatial = _factor(pipe, SPATIAL_FACTOR)
+    temporal = _factor(pipe, TEMPORAL_FACTOR) if video else None
     if kind == "packed":
         ph = pw = 2  # the pipeline packs 2x2 latent patches into a token
         pt = 1
@@ -166,7 +184,7 @@ def latent_layout(model, pipe, frames, height, width, vae_given):
             pt, ph, pw = patch
         else:
             pt, ph, pw = cfg.get("patch_size_t", 1) or 1, patch, patch
-    if kind == "video":
+    if video:
         if frames is None:
             raise DiffusionError(f"--frames is required: {name} is a video model")
         if (frames - 1) % temporal:
@@ -191,9 +209,9 @@ def latent_layout(model, pipe, frames, height, width, vae_given):
                 vae=("the VAE's config" if vae_given else f"{type(pipe).__name__}'s defaults (no VAE config given)"))
 
 
-def inputs_for(model, layout, batch, text_tokens, dtype):
+def inputs_for(model, layout, batch, text_tokens, dtype, pipe):
     """The transformer's keyword arguments for one training step at this layout, meta tensors, as
-    its pipeline passes them (return_dict=False)."""
+    its pipeline passes them (return_dict=False; pipe: the pipeline object, for what its call adds)."""
     cfg = model.config
     name = type(model).__name__
     kind = FAMILIES[name][1]
@@ -214,7 +232,7 @@ def inputs_for(model, layout, batch, text_tokens, dtype):
                    pooled_projections=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype, **meta))
         if cfg.get("guidance_embeds"):
             out["guidance"] = torch.empty(batch, dtype=torch.float32, **meta)
-    else:  # Flux
+    elif name == "FluxTransformer2DModel":
         n = layout["tokens"]
         out = dict(hidden_states=torch.empty(batch, n, cfg.in_channels, dtype=dtype, **meta),
                    encoder_hidden_states=torch.empty(batch, t, cfg.joint_attention_dim, dtype=dtype, **meta),
@@ -223,7 +241,16 @@ def inputs_for(model, layout, batch, text_tokens, dtype):
                    txt_ids=torch.empty(t, 3, dtype=dtype, **meta))
         if cfg.get("guidance_embeds"):
             out["guidance"] = torch.empty(batch, dtype=torch.float32, **meta)
-    assert kind in ("video", "packed")
+    elif name == "LTXVideoTransformer3DModel":
+        # LTXPipeline: the packed latents, the text mask, the latent grid and the rotary scale it
+        # derives from its VAE's factors and its call's frame rate
+        temporal, spatial = layout["factors"]
+        rate = inspect.signature(type(pipe).__call__).parameters["frame_rate"].default
+        out = dict(hidden_states=torch.empty(batch, layout["tokens"], cfg.in_channels, dtype=dtype, **meta),
+                   encoder_hidden_states=torch.empty(batch, t, cfg.caption_channels, dtype=dtype, **meta),
+                   timestep=ts, encoder_attention_mask=torch.empty(batch, t, dtype=torch.bool, **meta),
+                   num_frames=lf, height=lh, width=lw, rope_interpolation_scale=(temporal / rate, spatial, spatial))
+    assert kind in ("video", "video-packed", "packed")
     out["return_dict"] = False
     return out
 
@@ -283,18 +310,27 @@ class _Sizer:
             from .estimate import estimate_memory
 
             layout = latent_layout(self.model, self.pipe, frames, height, width, self.vae_given)
-            inputs = inputs_for(self.model, layout, self.batch, self.text_tokens, self.dtype)
+            inputs = inputs_for(self.model, layout, self.batch, self.text_tokens, self.dtype, self.pipe)
             self.cache[key] = (estimate_memory(self.model, inputs, attention=self.attention, recipe=self.recipe),
                                layout)
         return self.cache[key][0]
 
 
+def _bytes(est, mode):
+    """(peak, host bytes) of a uniform mode (a name) or of one mode per block (a list: a configuration's)."""
+    if isinstance(mode, str):
+        return est.peak_bytes[mode], est.host_bytes[mode]
+    return est.peak_of(mode), est.cost_model.host_bytes(mode)
+
+
 def _fits(est, mode, usable, host):
-    return est.peak_bytes[mode] <= usable and (host is None or est.host_bytes[mode] <= host)
+    peak, hb = _bytes(est, mode)
+    return peak <= usable and (host is None or hb <= host)
 
 
 def _largest(sizer, sizes, usable, host, mode):
-    """The largest of `sizes` (ascending, each a (frames, height, width, tokens)) that fits `mode`:
+    """The largest of `sizes` (ascending, each a (frames, height, width, tokens)) that fits `mode` (a
+    uniform mode's name, or one mode per block):
     read off a line through two estimates' peaks against the tokens (attention that keeps no
     probabilities: every term linear in the tokens), then confirmed by an estimate there, and the
     next smaller until one fits. None when not even the smallest fits."""
@@ -309,8 +345,8 @@ def _largest(sizer, sizes, usable, host, mode):
         def line(a, b):
             return lambda t: a + (b - a) * (t - t1) / (t2 - t1)
 
-        peak = line(e1.peak_bytes[mode], e2.peak_bytes[mode])
-        hb = line(e1.host_bytes[mode], e2.host_bytes[mode])
+        (p1, h1), (p2, h2) = _bytes(e1, mode), _bytes(e2, mode)
+        peak, hb = line(p1, p2), line(h1, h2)
         start = max((i for i, s in enumerate(sizes) if peak(s[3]) <= usable and (host is None or hb(s[3]) <= host)),
                     default=0)
     else:
@@ -344,6 +380,14 @@ def run(args, progress, cli):
     if job["cp"] > 1:
         raise DiffusionError(f"--cp {job['cp']}: context parallelism is not sized for diffusion models")
 
+    run_config, source = cli.configuration(args)
+    if run_config is not None:
+        from .estimate import configuration_row
+
+        try:  # what the row cannot size (a policy, offload_all) said before anything is built
+            configuration_row(None, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise DiffusionError(str(e)) from None
     tcfg, vcfg, pipeline = read_configs(args.diffusers_config)
     recipe, dtype, targets = _recipe_of(args, cli._DTYPES)
     cls, (_, kind) = model_class(tcfg)
@@ -359,6 +403,12 @@ def run(args, progress, cli):
     sizer = _Sizer(model, recipe, attention, args.batch or 1, text_tokens, dtype, pipe, vcfg is not None)
     progress(f"estimating {layout['tokens']} latent tokens")
     est = sizer.at(args.frames, args.height, args.width)
+    row = None
+    if run_config is not None:
+        try:  # the blocks diffusers' checkpointing wraps, in forward order (Flux: double, then single-stream)
+            row = configuration_row(est, **run_config, where=f"your run ({source})")
+        except ValueError as e:
+            raise DiffusionError(str(e)) from None
     device, host, ranks, host_rank, margin, usable = cli.budgets(args, job)
     temporal, spatial = layout["factors"]
     pt, ph, _ = layout["patch"]
@@ -367,7 +417,7 @@ def run(args, progress, cli):
     if device is not None:
         progress("fitting the longest frame count and the largest resolution")
         lf, lh, lw = layout["latent"]
-        if kind == "video":
+        if kind.startswith("video"):
             # up to twice the frames asked for (the longest is at least that where the top fits)
             frame_sizes = [((f - 1) * temporal + 1, args.height, args.width, f // pt * layout["tokens"] // (lf // pt))
                            for f in range(pt, SEARCH_SCALE * lf + 1, pt) if _within_positions(model, layout, f, lh, lw)]
@@ -389,6 +439,18 @@ def run(args, progress, cli):
                         longest_frames_capped=bool(frame_sizes) and longest == frame_sizes[-1],
                         largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}",
                         largest_resolution_capped=bool(res_sizes) and largest == res_sizes[-1])
+    your_run = None
+    if row is not None:
+        longest = _largest(sizer, frame_sizes, usable, host_rank, row.modes) if frame_sizes else None
+        largest = _largest(sizer, res_sizes, usable, host_rank, row.modes) if res_sizes else None
+        your_run = dict(configuration=row.label, source=source, device_peak_bytes=row.peak_bytes,
+                        host_bytes_per_rank=row.host_bytes, host_bytes_per_node=row.host_bytes * ranks,
+                        fits=None if device is None else _fits(est, row.modes, usable, host_rank),
+                        longest_frames=None if longest is None else longest[0],
+                        longest_frames_capped=bool(frame_sizes) and longest == frame_sizes[-1],
+                        largest_resolution=None if largest is None else f"{largest[2]}x{largest[1]}",
+                        largest_resolution_capped=bool(res_sizes) and largest == res_sizes[-1],
+                        blocks=cli._counts(row.modes))
     modes["plan"] = None
     if device is not None:
         try:
@@ -413,7 +475,7 @@ def run(args, progress, cli):
             "dtype": str(dtype).replace("torch.", ""), "attention": est.attention, "recipe": described,
             "device_memory_bytes": device, "device_margin_bytes": margin, "host_memory_bytes": host,
             "host_share_bytes": host_rank, "ranks_per_node": ranks, "sources": _sources(args), "modes": modes,
-            "parts": est.parts, "optimizer_step_peak_bytes": est.step_peak_bytes}
+            "your_run": your_run, "parts": est.parts, "optimizer_step_peak_bytes": est.step_peak_bytes}
 
 
 def format_report(r, _gib) -> str:
@@ -438,7 +500,8 @@ def format_report(r, _gib) -> str:
              f"recipe: {r['recipe']}",
              f"{'mode':<20} {'device GiB':>10} {'host GiB/rank':>13} {'host GiB/node':>13} {'fits':>5} "
              f"{'longest frames':>14} {'largest WxH':>12}"]
-    for m, row in r["modes"].items():
+    mine = r.get("your_run")
+    for m, row in [*r["modes"].items(), *([("your run", mine)] if mine is not None else [])]:
         if row is None or m == "plan":
             continue
         fits = "?" if row["fits"] is None else "yes" if row["fits"] else "no"
@@ -448,6 +511,8 @@ def format_report(r, _gib) -> str:
             (">=" if row["largest_resolution_capped"] else "") + (row["largest_resolution"] or "none")
         lines.append(f"{m:<20} {_gib(row['device_peak_bytes']):>10} {_gib(row['host_bytes_per_rank']):>13} "
                      f"{_gib(row['host_bytes_per_node']):>13} {fits:>5} {longest:>14} {largest:>12}")
+    if mine is not None:
+        lines.append(f"your run: {mine['configuration']} (from {mine['source']}): {mine['blocks']}")
     plan = r["modes"].get("plan")
     if plan is not None:
         lines.append(f"plan: {plan['blocks']}, {_gib(plan['device_peak_bytes'])} GiB"

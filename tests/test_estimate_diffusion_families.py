@@ -1,0 +1,266 @@
+"""`python -m ckpt_offload estimate --diffusers-config`: the row of the exact configuration a run
+uses (--every-n-layers, --offload, --keep-last) against the same step run for real on the CPU test
+path, the blocks diffusers' checkpointing hands over checkpointed by ckpt_offload; the families the
+command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
+import json
+
+import pytest
+import torch
+
+import ckpt_offload
+from test_estimate import steady_step
+from test_estimate_diffusion import FLUX, HW, WAN, blocks_of, cli, flux, flux_inputs, loss, wan, wan_inputs
+
+diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
+from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("test_cpu", "one_thread")
+
+
+def enabled_step(model, inputs, integration, **config):
+    """(peak live bytes, bytes offloaded, (checkpointed, offloaded) block indices) of a steady-state
+    step of `model` configured by `config`: through ckpt_offload.integrations.diffusers.enable
+    (integration), else enable_checkpointing on the blocks diffusers' checkpointing hands over
+    (called through a function that only calls them)."""
+    if integration:
+        co_diffusers.enable(model, **config)
+    else:
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
+        ckpt_offload.enable_checkpointing(model, layers=blocks_of(model), **config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step():
+        out = model(**inputs)
+        value = loss(out)
+        del out
+        value.backward()
+
+    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    peak, sent = steady_step(model, step, opt, params, top)
+    state = ckpt_offload.checkpointing_state(model)
+    co_diffusers.disable(model)
+    return peak, sent, state
+
+
+def write_config(tmp_path, cls_name, cfg):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(cfg, _class_name=cls_name)))
+    return str(path)
+
+
+# The tiny models' real inputs, and the command's sizes that give them: Wan's latent 3x16x16 is 9
+# frames of 128x128 at WanPipeline's factors (temporal 4, spatial 8); Flux's 64 tokens are 128x128 at
+# FluxPipeline's 8, packed 2x2.
+YOUR_RUN = {
+    "wan": (wan, wan_inputs, "WanTransformer3DModel", WAN, ("--frames", "9", "--height", "128", "--width", "128")),
+    "flux": (flux, flux_inputs, "FluxTransformer2DModel", FLUX, ("--height", "128", "--width", "128")),
+}
+
+
+# The integration passes the tensors inside a tuple argument (Wan's and Flux's rotary tables) to the
+# checkpoint one by one, and offloads them; the estimate measures the blocks checkpointed as
+# enable_checkpointing runs them, which keeps those tensors on the device. Measured on the tiny Wan:
+# the integration sends 77,312 bytes, the row counts 52,736 (the 24,576 bytes of the cos and sin
+# tables); the peaks within 3%. Measuring the blocks on the integration's path counts them, but then
+# the tiny LoRA Wan's checkpoint+offload peak is 3.4% under the integration's step (1,503,936 against
+# 1,556,560 bytes): open until both hold.
+TUPLE_GAP = pytest.mark.xfail(strict=True, reason="the rotary tables the integration offloads are not counted")
+
+
+@pytest.mark.parametrize("kind,integration", [("wan", False), ("flux", False),
+                                              pytest.param("wan", True, marks=TUPLE_GAP)],
+                         ids=["wan-enable_checkpointing", "flux-enable_checkpointing", "wan-integrations.diffusers"])
+def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind, integration):
+    build, inputs, cls_name, cfg, size = YOUR_RUN[kind]
+    path = write_config(tmp_path, cls_name, cfg)
+    rc, out, err = cli(capsys, "--diffusers-config", path, *size, "--batch", "2", "--text-tokens", "8",
+                       "--dtype", "fp32", "--attention", "flash", "--every-n-layers", "2", "--offload",
+                       "--keep-last", "1", "--json", *HW)
+    assert rc == 0, err
+    r = json.loads(out)
+    mine = r["your_run"]
+    n = r["blocks"]
+    assert n == (3 if kind == "wan" else 5)
+    peak, sent, (checkpointed, offloaded) = enabled_step(build(), inputs(), integration, every_n_layers=2,
+                                                        offload=True, keep_last=1)
+    # the blocks diffusers' checkpointing hands over, in forward order (Flux: double-, then single-stream)
+    assert checkpointed == list(range(0, n, 2)) and offloaded == checkpointed[:-1]
+    assert mine["configuration"] == "every_n_layers=2, offload, keep_last=1" and mine["source"] == "the options"
+    assert mine["blocks"].startswith(f"{len(checkpointed)} of {n} blocks checkpointed") and \
+        mine["blocks"].endswith(f"{len(offloaded)} of them offloaded")
+    assert mine["device_peak_bytes"] == pytest.approx(peak, rel=0.03), (mine, peak)
+    assert mine["host_bytes_per_rank"] == sent, (mine, sent)
+    # a row of its own: between the uniform modes it mixes
+    assert r["modes"]["checkpoint+offload"]["host_bytes_per_rank"] > sent > 0
+
+
+def test_cli_prints_your_run_row_with_its_label(tmp_path, capsys):
+    from ckpt_offload.sizing.cli import _gib
+    from ckpt_offload.sizing.diffusion import format_report
+
+    path = write_config(tmp_path, "WanTransformer3DModel", WAN)
+    base = ("--diffusers-config", path, "--frames", "5", "--height", "48", "--width", "64", "--text-tokens", "8",
+            *HW)
+    rc, out, err = cli(capsys, *base, "--every-n-layers", "2", "--no-offload")  # the text the command prints
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert ("your run: every_n_layers=2, no offload (from the options): 2 of 3 blocks checkpointed (0, 2), "
+            "0 of them offloaded") in lines
+    row = next(line for line in lines if line.startswith("your run "))
+    assert row.split()[2:] == next(line for line in lines if line.startswith("every_n=2 ")).split()[1:]
+    assert row.split()[-3:] == ["?", "?", "?"]  # no device memory: fits, longest, largest not judged
+    rc, out, err = cli(capsys, *base, "--every-n-layers", "2", "--no-offload", "--device-memory", "2GiB",
+                       "--margin", "0", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    mine = r["your_run"]
+    assert mine["configuration"] == "every_n_layers=2, no offload" and mine["fits"] is True
+    # blocks 0 and 2 checkpointed, nothing offloaded: the uniform every_n=2 row, searched the same
+    same = dict(r["modes"]["every_n=2"])
+    assert {k: mine[k] for k in same} == same and same["host_bytes_per_rank"] == 0
+    lines = format_report(r, _gib).splitlines()
+    row = next(line for line in lines if line.startswith("your run "))
+    assert row.split()[2:] == next(line for line in lines if line.startswith("every_n=2 ")).split()[1:]
+    assert ("your run: every_n_layers=2, no offload (from the options): 2 of 3 blocks checkpointed (0, 2), "
+            "0 of them offloaded") in lines
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("--policy", "attention"), "your run (the options): policy='attention' is not sized"),
+    (("--offload-all",), "your run (the options): offload_all (every saved activation offloaded) is not sized"),
+    (("--keep-last", "4"), "your run (the options): keep_last=4 is larger than the 3 checkpointed layers"),
+])
+def test_cli_refuses_what_the_row_cannot_size_in_one_line(tmp_path, capsys, args, expected):
+    path = write_config(tmp_path, "WanTransformer3DModel", WAN)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--frames", "9", "--height", "128", "--width", "128",
+                       *args, *HW)
+    assert rc == 2 and out == "" and expected in err and err.count("\n") == 1, err
+
+
+# -- the families: LTX-Video -----------------------------------------------------------------------
+
+LTX = dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+           cross_attention_dim=16, num_layers=3, caption_channels=16)
+
+
+def ltx():
+    torch.manual_seed(0)
+    return diffusers.LTXVideoTransformer3DModel.from_config(LTX)
+
+
+def ltx_inputs(batch=2, frames=3, size=8, text=8):
+    # as LTXPipeline passes them: the latents packed into frames x size x size tokens, the text mask,
+    # the latent grid, the rotary scale (its VAE's factors 8 and 32 over its 25 frames a second)
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(batch, frames * size * size, 8, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 16, generator=g),
+                timestep=torch.tensor([10.0, 500.0][:batch]), encoder_attention_mask=torch.ones(batch, text).bool(),
+                num_frames=frames, height=size, width=size, rope_interpolation_scale=(8 / 25, 32, 32),
+                return_dict=False)
+
+
+def configure(model, blocks, mode):
+    # The blocks called as diffusers' own checkpointing calls them (positionally), through a
+    # function that only calls them, and checkpointed by ckpt_offload.
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
+    if mode == "checkpoint":
+        ckpt_offload.enable_checkpointing(model, offload=False, layers=blocks)
+    elif mode == "checkpoint+offload":
+        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, layers=blocks)
+    elif mode == "every_n=2":
+        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False, layers=blocks)
+
+
+def measured(model, blocks, inputs, mode):
+    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode."""
+    configure(model, blocks, mode)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step():
+        out = model(**inputs)
+        value = loss(out)
+        del out
+        value.backward()
+
+    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    peak, sent = steady_step(model, step, opt, params, top)
+    ckpt_offload.disable_checkpointing(model)
+    return peak, sent
+
+
+def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
+    # 17 frames of 256x256 at LTXPipeline's factors (temporal 8, spatial 32, no VAE config): the
+    # latent 3x8x8, 192 tokens after the 1x1x1 patch
+    path = write_config(tmp_path, "LTXVideoTransformer3DModel", LTX)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--frames", "17", "--height", "256", "--width", "256",
+                       "--batch", "2", "--text-tokens", "8", "--dtype", "fp32", "--attention", "flash", "--json", *HW)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["latent"] == [3, 8, 8] and r["tokens"] == 192 and r["blocks"] == 3
+    assert r["vae_factors"] == {"temporal": 8, "spatial": 32}
+    assert r["your_run"] is None  # no configuration asked for: no row
+    seen = {}
+    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
+        model = ltx()
+        peak, sent = measured(model, list(model.transformer_blocks), ltx_inputs(), mode)
+        row = r["modes"][mode]
+        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
+    for mode, (est_peak, peak, est_host, sent) in seen.items():
+        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
+        assert est_host == sent, (mode, seen)
+    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+
+
+LTX_VAE = {"_class_name": "AutoencoderKLLTXVideo", "in_channels": 3, "out_channels": 3, "latent_channels": 8,
+           "block_out_channels": [8, 8, 8, 8], "decoder_block_out_channels": [8, 8, 8, 8],
+           "layers_per_block": [1, 1, 1, 1, 1], "decoder_layers_per_block": [1, 1, 1, 1, 1],
+           "spatio_temporal_scaling": [True, True, False, False],
+           "decoder_spatio_temporal_scaling": [True, True, False, False], "patch_size": 2, "patch_size_t": 1}
+
+
+def test_cli_ltx_pipeline_folder_takes_the_vaes_factors(tmp_path, capsys):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    transformer = dict(LTX, _class_name="LTXVideoTransformer3DModel")
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(transformer))
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(LTX_VAE))
+    # diffusers' AutoencoderKLLTXVideo: spatial patch 2 x two 2x scalings, temporal 1 x the same two
+    vae = diffusers.AutoencoderKLLTXVideo.from_config({k: v for k, v in LTX_VAE.items() if k != "_class_name"})
+    assert (vae.temporal_compression_ratio, vae.spatial_compression_ratio) == (4, 8)
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path), "--frames", "9", "--height", "64", "--width",
+                       "128", *HW)
+    assert rc == 0, err
+    assert ("latent 3x8x16 (VAE factors temporal 4, spatial 8, from the VAE's config), patch 1x1x1: 384 tokens "
+            "+ 128 text tokens; 3 blocks") in out  # 128: LTXPipeline's max_sequence_length
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path), "--frames", "8", "--height", "64", "--width",
+                       "128", *HW)
+    assert rc == 2 and "--frames 8: a video's frames must be 1 more than a multiple of the VAE's temporal factor 4 " \
+        "(5 or 9)" in err and err.count("\n") == 1, err
+    rc, out, err = cli(capsys, "--diffusers-config", str(tmp_path / "transformer"), "--frames", "5", "--height", "64",
+                       "--width", "128", *HW)
+    assert rc == 2 and "--frames 5: a video's frames must be 1 more than a multiple of the VAE's temporal factor 8 " \
+        "(1 or 9)" in err, err  # without the VAE: LTXPipeline's own factors
+
+
+# -- what the command does not size ---------------------------------------------------------------
+
+def test_cli_refuses_a_unet_naming_what_to_do_instead(tmp_path, capsys):
+    path = write_config(tmp_path, "UNet2DConditionModel", {"sample_size": 8})
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "_class_name 'UNet2DConditionModel' is not sized by the command" in err
+    assert "ckpt_offload.estimate_memory(model, inputs)" in err and "sample, timestep, encoder_hidden_states" in err
+
+
+@pytest.mark.parametrize("cls_name", ["SD3Transformer2DModel", "QwenImageTransformer2DModel"])
+def test_cli_refuses_the_two_stream_image_models_it_does_not_size(tmp_path, capsys, cls_name):
+    # Their checkpointed peaks compose over the real step's by more than 3% (the blocks carry the
+    # text stream beside the image's): not offered until they are within it.
+    path = write_config(tmp_path, cls_name, {})
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"_class_name {cls_name!r}: the command sizes FluxTransformer2DModel, HunyuanVideoTransformer3DModel, " \
+        "LTXVideoTransformer3DModel, WanTransformer3DModel; for another model" in err
