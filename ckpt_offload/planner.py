@@ -42,11 +42,14 @@ def _default_loss(out):
     return out.float().square().mean()
 
 
-def _first_grad_tensor(obj):
+def _grad_tensors(obj):
+    """The tensors in obj (nested) that carry a gradient, each once."""
+    seen, out = set(), []
     for t in torch.utils._pytree.tree_leaves(obj):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            return t
-    return None
+        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 class _Probe:
@@ -93,6 +96,7 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
     cuda = device.type == "cuda"
     n = len(blocks)
     handles = []
+    hooks = []  # the gradient hooks, removed after the step (an input given to the model may carry them)
     if live is None:
         live = LiveBytes() if not cuda and track_memory else None
     probe = _Probe(device, live)
@@ -109,13 +113,13 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             if _in_backward() or not torch.is_grad_enabled():
                 return
             probe.mark(f"f{i}")
-            # The hidden states: the first positional argument, else (diffusers' blocks called by
-            # keyword) the first keyword argument that carries a gradient.
-            x = _first_grad_tensor(args)
-            if x is None:
-                x = _first_grad_tensor(kwargs or {})
-            if x is not None:
-                x.register_hook(grad_mark(f"b{i}"))
+            # Every input that carries a gradient (positional or, as diffusers' blocks are called, by
+            # keyword): a block may take more than one stream from the block before it (Flux's and
+            # HunyuanVideo's image and text tokens), and the first of them whose gradient node runs
+            # marks where the block before it starts its backward. A stream's own node may run only
+            # after another's has started that block's backward (its recompute, under checkpointing).
+            for x in _grad_tensors((args, kwargs or {})):
+                hooks.append(x.register_hook(grad_mark(f"b{i}")))
 
         return hook
 
@@ -125,9 +129,8 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
         probe.mark(f"f{n}")
         # Every output that carries a gradient (Flux's last block returns the text stream too, which
         # nothing after it reads): the first gradient to arrive marks the backward's start.
-        for y in torch.utils._pytree.tree_leaves(out):
-            if isinstance(y, torch.Tensor) and y.requires_grad:
-                y.register_hook(grad_mark(f"b{n}"))
+        for y in _grad_tensors(out):
+            hooks.append(y.register_hook(grad_mark(f"b{n}")))
 
     for i, b in enumerate(blocks):
         handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
@@ -155,7 +158,7 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
             torch.cuda.synchronize(device)
         _engine.synchronize()
     finally:
-        for h in handles:
+        for h in [*handles, *hooks]:
             h.remove()
     if "b0" not in probe.marks and "b1" in probe.marks:
         # The first block's input needs no gradient: the block's backward ends the step's.
@@ -166,7 +169,7 @@ def _measured_step(model, blocks, example_inputs, loss_fn, device, track_memory=
     if missing:
         raise ValueError(
             f"plan_memory: the repeated blocks' hidden states carry no gradient at {missing}; each block must take "
-            "the tensor that flows from block to block as its first positional argument and return it"
+            "the tensors that flow from block to block as arguments and return them"
         )
     return probe
 

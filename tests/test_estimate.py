@@ -113,6 +113,63 @@ def test_tiny_gpt_every_mode_within_3_percent_and_host_bytes_exact():
                                                                                  max_len=128).parameters())
 
 
+class TwoStreamBlock(torch.nn.Module):
+    """Joint attention over two token streams (an image's and a text's, as Flux's and HunyuanVideo's
+    double-stream blocks), then an MLP per stream; returns both, the second made last, so that its
+    gradient's node runs first in the backward."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden),
+                                                           torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+                                       for _ in range(2))
+
+    def forward(self, x, y):
+        b, s, h = x.shape[0], x.shape[1] + y.shape[1], x.shape[2]
+        z = torch.cat([y, x], dim=1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(self.ln(z)).split(h, -1))
+        z = z + self.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h))
+        y, x = z[:, :y.shape[1]], z[:, y.shape[1]:]
+        x = x + self.mlp[0](x)
+        return x, y + self.mlp[1](y)
+
+
+class TwoStreams(torch.nn.Module):
+    def __init__(self, layers=4, hidden=64, heads=4):
+        super().__init__()
+        self.x_in = torch.nn.Linear(16, hidden)
+        self.y_in = torch.nn.Linear(24, hidden)
+        self.blocks = torch.nn.ModuleList(TwoStreamBlock(hidden, heads) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 16)
+
+    def forward(self, x, y):
+        x, y = self.x_in(x), self.y_in(y)
+        for block in self.blocks:
+            x, y = block(x, y)
+        return self.head(torch.cat([y, x], dim=1))
+
+
+def test_two_stream_blocks_every_mode_within_3_percent_and_host_bytes_exact():
+    # Blocks that take two streams from the block before and return both: where the block before
+    # starts its backward is where the first of the streams' gradient nodes runs, not the first
+    # argument's (which, under checkpointing, runs after the other stream's has recomputed it).
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 256, 16, generator=g), torch.randn(2, 32, 24, generator=g))
+
+    def build(device):
+        torch.manual_seed(0)
+        return TwoStreams()
+
+    est = check_all_modes(build, inputs, lambda device: lambda out: out.float().square().mean(), attention="flash")
+    assert est.cost_model.n == 4
+    # every block's two streams, checkpointed
+    assert est.parts["checkpoint_input_bytes"] == 4 * 2 * (256 + 32) * 64 * 4
+
+
 def test_math_attention_counts_the_probabilities():
     # The quadratic term: math keeps [batch, heads, s, s] per block, flash does not.
     ids = make_batch(batch=2, seq=128)

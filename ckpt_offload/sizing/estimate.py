@@ -348,22 +348,32 @@ class _InputSaves:
 
     def pack(self, t):
         if self.saving and not torch.jit.is_scripting():
-            if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t) \
-                    and self._first_time(t):
-                self.pending += t.numel() * t.element_size()
+            if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad) and not self._is_weight(t):
+                self.pending += self._sent_bytes(t)
         return t
 
-    def _first_time(self, t):
-        """Whether no block's checkpoint saved this range of its storage before: the engine sends
-        a range once and shares that copy with every later block that saves it (a diffusion model's
-        text embeddings and timestep projection, inputs to every block)."""
-        key, start = t.untyped_storage()._cdata, t.storage_offset()
-        span = (start, start + t.numel(), t.dtype)
+    def _sent_bytes(self, t):
+        """The bytes the engine sends for this saved input, as it decides: none for a range of its
+        storage that a block's checkpoint sent before (the engine shares that copy with every later
+        block that saves it: a diffusion model's text embeddings and timestep projection, inputs to
+        every block); for a view with gaps between its elements (one of two streams sliced from one
+        tensor, as HunyuanVideo's single-stream blocks return them), the whole storage when it is
+        at most 4 times the view's elements, then shared with the storage's other views, else the
+        view's own elements, compacted and shared with none; otherwise the range the tensor spans
+        (less than its elements for an expanded one)."""
+        key, start, n = t.untyped_storage()._cdata, t.storage_offset(), t.numel()
+        end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if n else 0)
         ranges = self.sent.setdefault(key, [])
-        if any(a <= span[0] and span[1] <= b and d == span[2] for a, b, d in ranges):
-            return False
-        ranges.append(span)
-        return True
+        if any(a <= start and end <= b and d == t.dtype for a, b, d in ranges):
+            return 0
+        storage = t.untyped_storage().nbytes() // t.element_size()
+        if end - start > n and storage <= 4 * n:
+            ranges.append((0, storage, t.dtype))
+            return storage * t.element_size()
+        if end - start > n:
+            return n * t.element_size()
+        ranges.append((start, end, t.dtype))
+        return (end - start) * t.element_size()
 
     def _is_weight(self, t):
         base = t._base if t._base is not None else t
