@@ -1,7 +1,7 @@
 """`python -m ckpt_offload estimate --diffusers-config`: the row of the exact configuration a run
 uses (--every-n-layers, --offload, --keep-last) against the same step run for real on the CPU test
-path, the blocks diffusers' checkpointing hands over checkpointed by ckpt_offload; the families the
-command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
+path, the engine attached as a diffusers user attaches it (ckpt_offload.integrations.diffusers.enable);
+the families the command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
 import json
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 import ckpt_offload
 from test_estimate import steady_step
-from test_estimate_diffusion import FLUX, HW, WAN, blocks_of, cli, flux, flux_inputs, loss, wan, wan_inputs
+from test_estimate_diffusion import FLUX, HW, WAN, cli, configure, flux, flux_inputs, loss, wan, wan_inputs
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
@@ -17,16 +17,10 @@ from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
 pytestmark = pytest.mark.usefixtures("test_cpu", "one_thread")
 
 
-def enabled_step(model, inputs, integration, **config):
+def enabled_step(model, inputs, **config):
     """(peak live bytes, bytes offloaded, (checkpointed, offloaded) block indices) of a steady-state
-    step of `model` configured by `config`: through ckpt_offload.integrations.diffusers.enable
-    (integration), else enable_checkpointing on the blocks diffusers' checkpointing hands over
-    (called through a function that only calls them)."""
-    if integration:
-        co_diffusers.enable(model, **config)
-    else:
-        model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
-        ckpt_offload.enable_checkpointing(model, layers=blocks_of(model), **config)
+    step of `model` configured by `config` through ckpt_offload.integrations.diffusers.enable."""
+    co_diffusers.enable(model, **config)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
 
@@ -59,19 +53,9 @@ YOUR_RUN = {
 
 
 # The integration passes the tensors inside a tuple argument (Wan's and Flux's rotary tables) to the
-# checkpoint one by one, and offloads them; the estimate measures the blocks checkpointed as
-# enable_checkpointing runs them, which keeps those tensors on the device. Measured on the tiny Wan:
-# the integration sends 77,312 bytes, the row counts 52,736 (the 24,576 bytes of the cos and sin
-# tables); the peaks within 3%. Measuring the blocks on the integration's path counts them, but then
-# the tiny LoRA Wan's checkpoint+offload peak is 3.4% under the integration's step (1,503,936 against
-# 1,556,560 bytes): open until both hold.
-TUPLE_GAP = pytest.mark.xfail(strict=True, reason="the rotary tables the integration offloads are not counted")
-
-
-@pytest.mark.parametrize("kind,integration", [("wan", False), ("flux", False),
-                                              pytest.param("wan", True, marks=TUPLE_GAP)],
-                         ids=["wan-enable_checkpointing", "flux-enable_checkpointing", "wan-integrations.diffusers"])
-def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind, integration):
+# checkpoint one by one, and offloads them (once: every block shares them): the row counts them.
+@pytest.mark.parametrize("kind", ["wan", "flux"])
+def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind):
     build, inputs, cls_name, cfg, size = YOUR_RUN[kind]
     path = write_config(tmp_path, cls_name, cfg)
     rc, out, err = cli(capsys, "--diffusers-config", path, *size, "--batch", "2", "--text-tokens", "8",
@@ -82,8 +66,8 @@ def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, k
     mine = r["your_run"]
     n = r["blocks"]
     assert n == (3 if kind == "wan" else 5)
-    peak, sent, (checkpointed, offloaded) = enabled_step(build(), inputs(), integration, every_n_layers=2,
-                                                        offload=True, keep_last=1)
+    peak, sent, (checkpointed, offloaded) = enabled_step(build(), inputs(), every_n_layers=2, offload=True,
+                                                        keep_last=1)
     # the blocks diffusers' checkpointing hands over, in forward order (Flux: double-, then single-stream)
     assert checkpointed == list(range(0, n, 2)) and offloaded == checkpointed[:-1]
     assert mine["configuration"] == "every_n_layers=2, offload, keep_last=1" and mine["source"] == "the options"
@@ -160,21 +144,10 @@ def ltx_inputs(batch=2, frames=3, size=8, text=8):
                 return_dict=False)
 
 
-def configure(model, blocks, mode):
-    # The blocks called as diffusers' own checkpointing calls them (positionally), through a
-    # function that only calls them, and checkpointed by ckpt_offload.
-    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
-    if mode == "checkpoint":
-        ckpt_offload.enable_checkpointing(model, offload=False, layers=blocks)
-    elif mode == "checkpoint+offload":
-        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, layers=blocks)
-    elif mode == "every_n=2":
-        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False, layers=blocks)
-
-
-def measured(model, blocks, inputs, mode):
-    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode."""
-    configure(model, blocks, mode)
+def measured(model, inputs, mode):
+    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode, configured as a
+    diffusers user configures it (test_estimate_diffusion.configure)."""
+    configure(model, mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
 
@@ -186,7 +159,7 @@ def measured(model, blocks, inputs, mode):
 
     top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     peak, sent = steady_step(model, step, opt, params, top)
-    ckpt_offload.disable_checkpointing(model)
+    co_diffusers.disable(model)
     return peak, sent
 
 
@@ -204,7 +177,7 @@ def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
     seen = {}
     for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
         model = ltx()
-        peak, sent = measured(model, list(model.transformer_blocks), ltx_inputs(), mode)
+        peak, sent = measured(model, ltx_inputs(), mode)
         row = r["modes"][mode]
         seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
     for mode, (est_peak, peak, est_host, sent) in seen.items():

@@ -451,10 +451,24 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None):
+def _checkpoint_all(model, blocks, diffusers):
+    """Every block checkpointed, kept on the device, by the entry point that attaches the engine to
+    this model: a diffusers model's through ckpt_offload.integrations.diffusers (the function its
+    own checkpointing calls, which hands the checkpoint the tensors inside a tuple or dict argument
+    one by one, so that they are saved and offloaded as the others); else enable_block_modes."""
+    if diffusers:
+        from ..integrations import diffusers as _diffusers
+
+        _diffusers.enable(model, offload=False)
+    else:
+        enable_block_modes(model, ["checkpoint"] * len(blocks), layers=blocks)
+
+
+def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None, diffusers=False):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
     "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
-    logits bytes and the attention backends used."""
+    logits bytes and the attention backends used. diffusers: the blocks are those a diffusers
+    model's own checkpointing hands over, checkpointed through ckpt_offload's integration."""
     n = len(blocks)
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
@@ -480,7 +494,7 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
             (mixed or contextlib.nullcontext()):
         for m in ("none", "checkpoint"):
             if m != "none":
-                enable_block_modes(model, [m] * n, layers=blocks)
+                _checkpoint_all(model, blocks, diffusers)
             live = _Live()
             handles = []
             if m == "none":
@@ -965,7 +979,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="default", lo
     # keyword without it): measured on that path, passed through, as the blocks run under
     # ckpt_offload's diffusers integration.
     with _noting_checkpointed(model, []) if diffusers_blocks is not None else contextlib.nullcontext():
-        est = _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
+        est = _estimate(model, blocks, example_inputs, recipe, loss_fn, attention, diffusers_blocks is not None)
     if diffusers_blocks is not None:
         # Dimension 1 of a diffusion model's first input is its latent channels, not a length:
         # `ckpt_offload.sizing.diffusion` searches the frames and the resolution instead.
@@ -1061,7 +1075,7 @@ def _blocks_that_run(model, blocks, inputs):
     return [b for b in blocks if id(b) in ran] or blocks
 
 
-def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
+def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False):
     n = len(blocks)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -1094,7 +1108,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
                 probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                          attention, head_loss, mixed)
+                                                                          attention, head_loss, mixed, diffusers)
         except (IndexError, KeyError):
             if container is None:
                 raise
@@ -1102,7 +1116,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
             probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                      attention, head_loss, mixed)
+                                                                      attention, head_loss, mixed, diffusers)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -1171,7 +1185,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     batch, seq = _seq_of(inputs)
 
     def resize(new_seq):
-        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention)
+        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention, diffusers)
 
     return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=att.seen,
                           resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model),
