@@ -344,6 +344,7 @@ class _InputSaves:
         self.saving = False
         self.pending = 0
         self.host = [0] * len(blocks)
+        self.shared = [0] * len(blocks)  # of host[i]: what later blocks save too (sent once, with block i)
         self.handles = []
 
     def pack(self, t):
@@ -364,15 +365,18 @@ class _InputSaves:
         key, start, n = t.untyped_storage()._cdata, t.storage_offset(), t.numel()
         end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if n else 0)
         ranges = self.sent.setdefault(key, [])
-        if any(a <= start and end <= b and d == t.dtype for a, b, d in ranges):
-            return 0
+        for r in ranges:
+            if r[0] <= start and end <= r[1] and r[2] == t.dtype:
+                if r[3] is not self.fresh:
+                    r[4][0] = True  # a later block saves it too: shared
+                return 0
         storage = t.untyped_storage().nbytes() // t.element_size()
         if end - start > n and storage <= 4 * n:
-            ranges.append((0, storage, t.dtype))
+            ranges.append((0, storage, t.dtype, self.fresh, [False, storage * t.element_size()]))
             return storage * t.element_size()
         if end - start > n:
             return n * t.element_size()
-        ranges.append((start, end, t.dtype))
+        ranges.append((start, end, t.dtype, self.fresh, [False, (end - start) * t.element_size()]))
         return (end - start) * t.element_size()
 
     def _is_weight(self, t):
@@ -386,6 +390,7 @@ class _InputSaves:
 
         self.weights = set()
         self.sent = {}
+        self.fresh = {}  # the block the saves now pending go with, set when its forward ends
         for b in self.blocks:
             for p in [*b.parameters(), *b.buffers()]:
                 self.weights.add(p.untyped_storage()._cdata)
@@ -417,6 +422,8 @@ class _InputSaves:
                 if not _in_backward():
                     self.host[i] += self.pending
                     self.pending = 0
+                    self.fresh["block"] = i
+                    self.fresh = {}
             return hook
 
         for i, b in enumerate(self.blocks):
@@ -427,6 +434,10 @@ class _InputSaves:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
+        for ranges in self.sent.values():
+            for r in ranges:
+                if r[4][0] and r[3].get("block") is not None:
+                    self.shared[r[3]["block"]] += r[4][1]
         if self._original is None:
             delattr(self._owner, self._name)  # the inherited one again
         else:
@@ -474,7 +485,7 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
     att = _Attention(attention)
     mixed = _Autocast(autocast) if autocast is not None else None
     att.autocast = mixed
-    probes, host, flops, logits = {}, None, None, [0]
+    probes, host, shared, flops, logits = {}, None, None, None, [0]
 
     def loss_of(out):
         logits_t = getattr(out, "logits", None)
@@ -508,10 +519,10 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
                     h.remove()
                 disable_checkpointing(model)
             if m == "checkpoint":
-                host = saves.host
+                host, shared = saves.host, saves.shared
     if head_loss is not None and head_loss.recipe.loss != "transformers":
         logits[0] = head_loss.logits_bytes  # the head computed the loss: what its logits took
-    return probes, host, flops, logits[0], att
+    return probes, host, shared, flops, logits[0], att
 
 
 class MemoryEstimate:
@@ -1107,16 +1118,16 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False
                     _positions(configs if container is not None else [], chosen):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                          attention, head_loss, mixed, diffusers)
+                probes, host_sub, shared_sub, flops_sub, logits_bytes, att = _measure(
+                    model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
             sub_static = full_static
-            probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                      attention, head_loss, mixed, diffusers)
+            probes, host_sub, shared_sub, flops_sub, logits_bytes, att = _measure(
+                model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -1135,7 +1146,10 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False
     host = {"none": [0] * n, "checkpoint": [0] * n, "checkpoint+offload": host_in}
     # A checkpointed block whose input waits on the host keeps nothing else; its forward and its
     # backward's recompute (the input reloaded) rise as the plain checkpoint's.
-    kept["checkpoint+offload"] = [a - h for a, h in zip(kept["checkpoint"], host_in)]
+    # What it sends that later blocks share (the rotary tables, the text embeddings) the model's
+    # forward holds, and the first backward that needs it reloads: kept but for the head's backward.
+    shared = widen(shared_sub)
+    kept["checkpoint+offload"] = [a - h + s for a, h, s in zip(kept["checkpoint"], host_in, shared)]
     bwd_excess["checkpoint+offload"] = list(bwd_excess["checkpoint"])
     fwd_excess["checkpoint+offload"] = list(fwd_excess["checkpoint"])
     flops = widen(flops_sub)
@@ -1145,6 +1159,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False
     bwd_ms_d = {"none": bwd, "checkpoint": [b + f for b, f in zip(bwd, fwd_ms)]}
     bwd_ms_d["checkpoint+offload"] = list(bwd_ms_d["checkpoint"])
     o = dict(cost_sub.outside)
+    o["shared_host"] = shared
     shift = full_static - sub_static
     full_kept_none = sum(kept["none"])
     for key in ("fwd_pre_peak", "fwd_level", "bwd_level", "bwd_pre_peak"):
