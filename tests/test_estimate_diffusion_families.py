@@ -1,7 +1,8 @@
 """`python -m ckpt_offload estimate --diffusers-config`: the row of the exact configuration a run
 uses (--every-n-layers, --offload, --keep-last) against the same step run for real on the CPU test
 path, the engine attached as a diffusers user attaches it (ckpt_offload.integrations.diffusers.enable);
-the families the command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
+the families the command sizes (LTX-Video, SD3, Qwen-Image: every mode against a real step) and the
+models it refuses."""
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import ckpt_offload
 from test_estimate import steady_step
-from test_estimate_diffusion import FLUX, HW, WAN, cli, configure, flux, flux_inputs, loss, wan, wan_inputs
+from test_estimate_diffusion import FLUX, HW, WAN, cli, configure, flux, flux_inputs, lora, loss, wan, wan_inputs
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
@@ -228,12 +229,91 @@ def test_cli_refuses_a_unet_naming_what_to_do_instead(tmp_path, capsys):
     assert "ckpt_offload.estimate_memory(model, inputs)" in err and "sample, timestep, encoder_hidden_states" in err
 
 
-@pytest.mark.parametrize("cls_name", ["SD3Transformer2DModel", "QwenImageTransformer2DModel"])
-def test_cli_refuses_the_two_stream_image_models_it_does_not_size(tmp_path, capsys, cls_name):
-    # Their checkpointed peaks compose over the real step's by more than 3% (the blocks carry the
-    # text stream beside the image's): not offered until they are within it.
-    path = write_config(tmp_path, cls_name, {})
+# -- the families: SD3 and Qwen-Image (two-stream image models) -------------------------------------
+
+SD3 = dict(sample_size=32, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+           joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=24, out_channels=4,
+           pos_embed_max_size=32)
+QWEN = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def sd3():
+    torch.manual_seed(0)
+    return diffusers.SD3Transformer2DModel.from_config(SD3)
+
+
+def qwen():
+    torch.manual_seed(0)
+    return diffusers.QwenImageTransformer2DModel.from_config(QWEN)
+
+
+def sd3_inputs(batch=2, size=16, text=8):
+    # as StableDiffusion3Pipeline passes them: [B, C, H, W] latents, the prompt embeddings and the
+    # pooled projections
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(batch, 4, size, size, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 32, generator=g),
+                pooled_projections=torch.randn(batch, 24, generator=g), timestep=torch.tensor([10.0, 500.0][:batch]),
+                return_dict=False)
+
+
+def qwen_inputs(batch=2, size=16, text=8):
+    # as QwenImagePipeline passes them: the latents packed 2x2 into tokens (4 channels x 4), the
+    # latent grid after the packing per sample, no text mask (every text token active)
+    g = torch.Generator().manual_seed(0)
+    n = size // 2
+    return dict(hidden_states=torch.randn(batch, n * n, 16, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 32, generator=g), encoder_hidden_states_mask=None,
+                timestep=torch.tensor([0.01, 0.5][:batch]), img_shapes=[[(1, n, n)]] * batch, return_dict=False)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind", ["sd3", "qwen"])
+def test_two_stream_image_models_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys, kind, adapters):
+    build, inputs, cls_name, cfg = dict(sd3=(sd3, sd3_inputs, "SD3Transformer2DModel", SD3),
+                                        qwen=(qwen, qwen_inputs, "QwenImageTransformer2DModel", QWEN))[kind]
+    # 128x128 at the pipelines' factor 8 (no VAE config): a 16x16 latent, 64 tokens after the 2x2 patch
+    path = write_config(tmp_path, cls_name, cfg)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "128", "--width", "128", "--batch", "2",
+                       "--text-tokens", "8", "--dtype", "fp32", "--attention", "flash", "--json", *HW,
+                       *(("--lora-rank", "4") if adapters else ()))
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["latent"] == [1, 16, 16] and r["tokens"] == 64 and r["blocks"] == 3
+    seen = {}
+    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
+        model = lora(build()) if adapters else build()
+        peak, sent = measured(model, inputs(), mode)
+        row = r["modes"][mode]
+        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
+    for mode, (est_peak, peak, est_host, sent) in seen.items():
+        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
+        assert est_host == sent, (mode, seen)
+    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+
+
+def test_cli_sd3_and_qwen_text_tokens_as_their_pipelines_encode_the_prompt(tmp_path, capsys):
+    for cls_name, cfg, text in (("SD3Transformer2DModel", SD3, 77 + 256), ("QwenImageTransformer2DModel", QWEN, 512)):
+        # SD3: the CLIP encoders' 77 tokens, then T5's max_sequence_length (256); Qwen-Image: its 512
+        path = write_config(tmp_path, cls_name, cfg)
+        rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "128", "--json", *HW)
+        assert rc == 0, err
+        r = json.loads(out)
+        assert r["text_tokens"] == text and r["latent"] == [1, 8, 16] and r["tokens"] == 32, (cls_name, r)
+        rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "72", "--width", "128", *HW)
+        assert rc == 2 and "--height 72: not divisible by 16" in err and err.count("\n") == 1, err
+    # SD3's position table: pos_embed_max_size patches a side (32 here: 512 pixels at 8 x the patch 2)
+    path = write_config(tmp_path, "SD3Transformer2DModel", SD3)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "512", "--width", "528", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "--width 528: 33 patches along it, more than the transformer's pos_embed_max_size 32 (at most 512)" in err
+
+
+def test_cli_refuses_another_model_naming_those_it_sizes(tmp_path, capsys):
+    path = write_config(tmp_path, "PixArtTransformer2DModel", {})
     rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
     assert rc == 2 and out == "" and err.count("\n") == 1, err
-    assert f"_class_name {cls_name!r}: the command sizes FluxTransformer2DModel, HunyuanVideoTransformer3DModel, " \
-        "LTXVideoTransformer3DModel, WanTransformer3DModel; for another model" in err
+    assert "_class_name 'PixArtTransformer2DModel': the command sizes FluxTransformer2DModel, " \
+        "HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, QwenImageTransformer2DModel, " \
+        "SD3Transformer2DModel, WanTransformer3DModel; for another model" in err

@@ -462,6 +462,23 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
+def _reached(loss):
+    """The ids of the parameters a backward from `loss` gives a gradient: those of the
+    AccumulateGrad nodes its graph reaches (a branch whose output the loss does not use, the last
+    block's text stream in a two-stream model, gives none)."""
+    out, seen, todo = set(), set(), [getattr(loss, "grad_fn", None)]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.add(id(variable))
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return out
+
+
 def _checkpoint_all(model, blocks, diffusers):
     """Every block checkpointed, kept on the device, by the entry point that attaches the engine to
     this model: a diffusers model's through ckpt_offload.integrations.diffusers (the function its
@@ -477,15 +494,18 @@ def _checkpoint_all(model, blocks, diffusers):
 
 def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None, diffusers=False):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
-    "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
-    logits bytes and the attention backends used. diffusers: the blocks are those a diffusers
-    model's own checkpointing hands over, checkpointed through ckpt_offload's integration."""
+    "none" and "checkpoint", the checkpoint inputs per block (and of them, what later blocks save
+    too), the forward FLOPs per block, the logits bytes, the attention backends used, and the ids of the parameters the step without
+    checkpointing gives a gradient (None where its loss has no graph). diffusers: the blocks are
+    those a diffusers model's own checkpointing hands over, checkpointed through ckpt_offload's
+    integration."""
     n = len(blocks)
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
     mixed = _Autocast(autocast) if autocast is not None else None
     att.autocast = mixed
     probes, host, shared, flops, logits = {}, None, None, None, [0]
+    reached = [None, False]  # the parameters given a gradient; whether this probe notes them
 
     def loss_of(out):
         logits_t = getattr(out, "logits", None)
@@ -496,6 +516,8 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
         elif isinstance(out, torch.Tensor):
             logits[0] = out.numel() * out.element_size()
         loss = loss_fn(out)
+        if reached[1] and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            reached[0] = _reached(loss)
         if mixed is not None:
             mixed.clear()  # autocast's region (the forward and the loss) ends: its cache goes
         return loss
@@ -511,6 +533,7 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
             if m == "none":
                 flops, handles = _flop_marks(blocks, live)
             saves = _InputSaves(blocks) if m == "checkpoint" else contextlib.nullcontext()
+            reached[1] = m == "none"
             try:
                 with saves:
                     probes[m] = _planner._measured_step(model, blocks, inputs, loss_of, torch.device("meta"), live=live)
@@ -522,7 +545,7 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
                 host, shared = saves.host, saves.shared
     if head_loss is not None and head_loss.recipe.loss != "transformers":
         logits[0] = head_loss.logits_bytes  # the head computed the loss: what its logits took
-    return probes, host, shared, flops, logits[0], att
+    return probes, host, shared, flops, logits[0], att, reached[0]
 
 
 class MemoryEstimate:
@@ -1118,15 +1141,15 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False
                     _positions(configs if container is not None else [], chosen):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, shared_sub, flops_sub, logits_bytes, att = _measure(
+                probes, host_sub, shared_sub, flops_sub, logits_bytes, att, reached = _measure(
                     model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
-            sub_static = full_static
-            probes, host_sub, shared_sub, flops_sub, logits_bytes, att = _measure(
+            sub_static, sub_params = full_static, params
+            probes, host_sub, shared_sub, flops_sub, logits_bytes, att, reached = _measure(
                 model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
     finally:
         for p, g in zip(params, saved_grads):
@@ -1187,7 +1210,11 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False
     # weights and gradients as built): the difference is carried through the whole step.
     measured_weights = _static_bytes(model, params) - _static_bytes(model, [])
     measured_grads = sum(p.numel() * p.element_size() for p in trainable)
-    static = _recipe.static_parts(model, recipe, blocks)
+    # Trainable parameters no gradient reaches (in the blocks measured and around them) get none in
+    # a real step, nor optimizer states: not counted.
+    untrained = set() if reached is None else \
+        {id(p) for p in sub_params if p.requires_grad and id(p) not in reached}
+    static = _recipe.static_parts(model, recipe, blocks, untrained=untrained)
     extra = (static["weights_bytes"] - measured_weights + static["grads_bytes"] - measured_grads
              + static["optimizer_bytes"] + static["in_flight_bytes"])
     parts = dict(weights_bytes=static["weights_bytes"], grads_bytes=static["grads_bytes"],
