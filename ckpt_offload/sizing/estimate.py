@@ -495,10 +495,10 @@ def _checkpoint_all(model, blocks, diffusers):
 def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None, diffusers=False):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
     "none" and "checkpoint", the checkpoint inputs per block (and of them, what later blocks save
-    too), the forward FLOPs per block, the logits bytes, the attention backends used, and the ids of the parameters the step without
-    checkpointing gives a gradient (None where its loss has no graph). diffusers: the blocks are
-    those a diffusers model's own checkpointing hands over, checkpointed through ckpt_offload's
-    integration."""
+    too), the forward FLOPs per block, the logits bytes, the attention backends used, and the ids
+    of the parameters the step without checkpointing gives a gradient (None where its loss has no
+    graph). diffusers: the blocks are those a diffusers model's own checkpointing hands over,
+    checkpointed through ckpt_offload's integration."""
     n = len(blocks)
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
