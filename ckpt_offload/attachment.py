@@ -310,6 +310,9 @@ class _Reenabled:
 
 # -- hooks on the owner -----------------------------------------------------------------------------
 def attachment_before_forward(hook, module, args):
+    mid = hook.attachment.midpoints
+    if mid is not None and getattr(mid, "waiting", False):
+        mid.start()  # made after the forward before this one ended: from this forward on
     for s in (hook.attachment.session, hook.attachment.whole):
         if s is not None:
             s.exclude_module_tensors(module)
@@ -497,7 +500,9 @@ class Attachment:
                 "device. Lower keep_last or every_n_layers to offload.", RuntimeWarning, stacklevel=2)
         checkpointed = [self.blocks[i] for i, m in enumerate(self.modes) if m.startswith("checkpoint")]
         if self.session is not None and self.options is None and checkpointed and Midpoints.usable(checkpointed):
-            self.midpoints = Midpoints(self.session, checkpointed)
+            # Not yet for the backward of the forward that just ended: it armed no midpoint, and a
+            # reload point that waits for one would turn midpoints off for good.
+            self.midpoints = Midpoints(self.session, checkpointed, start=False)
             self.handles.append(self.midpoints)
 
     # -- what the blocks run -----------------------------------------------------------------------
@@ -680,7 +685,7 @@ class Attachment:
                 self.owner.register_forward_hook(_AfterForward(self)),
             ]
         checkpointed = [self.blocks[i] for i, m in enumerate(self.modes) if m.startswith("checkpoint")]
-        if self.session is not None and self.options is None and Midpoints.usable(checkpointed):
+        if self.session is not None and self.options is None and checkpointed and Midpoints.usable(checkpointed):
             # Compiled bodies are one autograd node each: no middle to start reloads from.
             self.midpoints = Midpoints(self.session, checkpointed)
             self.handles.append(self.midpoints)

@@ -34,9 +34,13 @@ class Midpoints:
     hook that does not fire, turns the session back to reloading from the start of each backward.
     """
 
-    def __init__(self, session, blocks):
+    def __init__(self, session, blocks, start=True):
         self.session = session
-        session.defer_prefetch = True  # reload points wait for the midpoints from now on
+        # Reload points wait for the midpoints from now on; start=False: from the next start() on (a
+        # backward of a forward that ran before these hooks existed has no midpoint to wait for).
+        self.waiting = not start
+        if start:
+            session.defer_prefetch = True
         # block -> the name of its midpoint child, once a forward has shown the order: names, not
         # modules, so DataParallel's replica children (which share these hooks) are not kept alive.
         self.mid = {}
@@ -54,6 +58,11 @@ class Midpoints:
         for name, c in block.named_children():
             hooks.append((name, c.register_forward_hook(functools.partial(self._child_post, block, name))))
             self.handles.append(hooks[-1][1])
+
+    def start(self):
+        """The reload points wait for the midpoints from here on (a Midpoints made with start=False)."""
+        self.waiting = False
+        self.session.defer_prefetch = True
 
     def __getstate__(self):
         state = dict(self.__dict__)

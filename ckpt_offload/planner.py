@@ -223,8 +223,13 @@ class CostModel:
         # appear in its backward (those of the parts outside the blocks counted from the head's on).
         freed = o.get("freed_block_grads") or [0] * self.n
         before = sum(freed) + o.get("freed_outside_grads", 0)
+        # Inputs an offloaded block sent that later blocks share (the rotary tables): held by the
+        # model's forward while it runs and reloaded for the first backward that needs them, so
+        # counted in what the block keeps, but on the host while the head's backward runs.
+        shared = o.get("shared_host") or [0] * self.n
+        away = sum(shared[i] for i, m in enumerate(modes) if m in _OFFLOADED)
         peaks = [o["fwd_pre_peak"] - before, o["fwd_head_peak"] + shift - before,
-                 o["bwd_head_peak"] + shift - sum(freed), o["bwd_pre_peak"]]
+                 o["bwd_head_peak"] + shift - sum(freed) - away, o["bwd_pre_peak"]]
         level_fwd = o["fwd_level"] - before
         for i, m in enumerate(modes):
             peaks.append(level_fwd + self.fwd_excess[m][i])
@@ -235,10 +240,11 @@ class CostModel:
         starts_reload = [0] * self.n  # bytes of the largest reload a block starts from its midpoint
         for j, m in enumerate(modes):
             if m in _OFFLOADED:
-                inflight[j] += self.host[m][j]
-                inflight[j + 1 if u[j] is None else u[j]] -= self.host[m][j]
+                reload = self.host[m][j] - shared[j]  # the shared part is in what the block keeps
+                inflight[j] += reload
+                inflight[j + 1 if u[j] is None else u[j]] -= reload
                 if u[j] is not None and m in _CKPT_OFFLOADED:
-                    starts_reload[u[j]] = max(starts_reload[u[j]], self.host[m][j])
+                    starts_reload[u[j]] = max(starts_reload[u[j]], reload)
         inflight = list(itertools.accumulate(inflight))
         below = 0  # bytes of earlier blocks still held when block i's backward starts
         not_yet = 0  # freed gradients of the blocks below i, not made when i's backward runs

@@ -266,6 +266,23 @@ def test_bytes_offloaded_are_the_blocks_inputs_shared_ones_once(name):
     assert s["tensors_kept_on_device"] == 0 and s["host_in_use_bytes"] == 0
 
 
+@pytest.mark.parametrize("name", ["wan", "flux"])
+def test_reloads_start_from_the_midpoints_once_the_sequence_is_known(name):
+    # The first forward learns the blocks; its backward reloads from each block's start (it armed no
+    # midpoint), the next forward learns the midpoints, and from then on each block's backward
+    # starts the reload of the block below from its middle, past its recompute's peak: no midpoint
+    # waited for in vain, none turned off.
+    model, inputs = make(name)
+    cod.enable(model, keep_last=0)
+    ckpt_offload.reset_stats()
+    for _ in range(3):
+        grads(model, inputs)
+        ckpt_offload.synchronize()
+    att = model._ckpt_offload
+    assert ckpt_offload.stats()["midpoint_misses"] == 0 and att.session.defer_prefetch
+    assert set(att.midpoints.mid) == set(att.blocks) and len(att.blocks) == (3 if name == "wan" else 4)
+
+
 def test_every_n_layers_and_keep_last_count_one_sequence():
     model, inputs = make("flux")
     cod.enable(model, every_n_layers=2, keep_last=0)

@@ -90,16 +90,16 @@ def loss(out):
 
 
 def configure(model, mode):
-    # The blocks called as diffusers' own checkpointing calls them (positionally), through a
-    # function that only calls them, and checkpointed by ckpt_offload.
-    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
-    layers = blocks_of(model)
+    # As a diffusers user attaches the engine: ckpt_offload.integrations.diffusers.enable, through the
+    # function diffusers' own checkpointing calls with each block.
+    from ckpt_offload.integrations import diffusers as co_diffusers
+
     if mode == "checkpoint":
-        ckpt_offload.enable_checkpointing(model, offload=False, layers=layers)
+        co_diffusers.enable(model, offload=False)
     elif mode == "checkpoint+offload":
-        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, layers=layers)
+        co_diffusers.enable(model, offload=True, keep_last=0)
     elif mode == "every_n=2":
-        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False, layers=layers)
+        co_diffusers.enable(model, every_n_layers=2, offload=False)
 
 
 def measured(model, inputs, mode):
@@ -145,19 +145,21 @@ def test_every_mode_within_3_percent_and_host_bytes_exact(kind, adapters):
     n = 3 if kind == "wan" else 5
     assert est.cost_model.n == n
     hidden = 2 * 32 * 4  # batch x inner dim x fp32
+    rotary = 2 * 16 * 4  # a token's cos and sin tables, one head's width, fp32 (the integration offloads them)
     host = est.host_bytes["checkpoint+offload"]
     if kind == "wan":
-        # every block's hidden states once; the text embeddings and the timestep projection (6 rows),
-        # shared by every block, once, not once per block
-        assert host == n * 3 * 8 * 8 * hidden + 8 * hidden + 6 * hidden
+        # every block's hidden states once; the text embeddings, the timestep projection (6 rows) and
+        # the rotary tables of the 3x8x8 tokens, shared by every block, once, not once per block
+        assert host == n * 3 * 8 * 8 * hidden + 8 * hidden + 6 * hidden + 3 * 8 * 8 * rotary
     elif kind == "flux":
         # every block's two streams (the image and the text tokens, new at each block); the time
-        # embedding, shared by every block, once
-        assert host == n * (64 + 8) * hidden + hidden
+        # embedding and the rotary tables of the 64 + 8 tokens, shared by every block, once
+        assert host == n * (64 + 8) * hidden + hidden + (64 + 8) * rotary
     else:
         # every block's two streams (a single-stream block's as the one tensor the block before
-        # sliced them from); the time embedding and the attention mask (bool) once
-        assert host == n * (3 * 16 * 16 + 8) * hidden + hidden + 2 * (3 * 16 * 16 + 8)
+        # sliced them from); the time embedding, the attention mask (bool) and the image tokens'
+        # rotary tables once
+        assert host == n * (3 * 16 * 16 + 8) * hidden + hidden + 2 * (3 * 16 * 16 + 8) + 3 * 16 * 16 * rotary
 
 
 def test_the_blocks_are_those_diffusers_checkpointing_wraps_in_forward_order():
@@ -225,8 +227,10 @@ def test_cli_reads_the_latents_from_the_vae_and_counts_what_estimate_memory_coun
     for m, row in r["modes"].items():
         if m != "plan":
             assert row["device_peak_bytes"] == api.peak_bytes[m], m
-    # Every block's bf16 hidden states, and the text embeddings and the timestep projection (bf16) once.
-    assert r["parts"]["checkpoint_input_bytes"] == 3 * 2 * 96 * 32 * 2 + 2 * 8 * 32 * 2 + 2 * 6 * 32 * 2
+    # Every block's bf16 hidden states, and the text embeddings and the timestep projection (bf16) and
+    # the rotary tables of the 96 tokens (cos and sin, one head's 16 wide, fp32) once.
+    assert r["parts"]["checkpoint_input_bytes"] == 3 * 2 * 96 * 32 * 2 + 2 * 8 * 32 * 2 + 2 * 6 * 32 * 2 \
+        + 96 * 2 * 16 * 4
 
 
 def test_cli_without_a_vae_config_says_it_took_the_pipelines_defaults(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """`python -m ckpt_offload estimate --diffusers-config`: the row of the exact configuration a run
 uses (--every-n-layers, --offload, --keep-last) against the same step run for real on the CPU test
-path, the blocks diffusers' checkpointing hands over checkpointed by ckpt_offload; the families the
-command sizes (LTX-Video: every mode against a real step) and the models it refuses."""
+path, the engine attached as a diffusers user attaches it (ckpt_offload.integrations.diffusers.enable);
+the families the command sizes (LTX-Video, SD3, Qwen-Image: every mode against a real step) and the
+models it refuses."""
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import ckpt_offload
 from test_estimate import steady_step
-from test_estimate_diffusion import FLUX, HW, WAN, blocks_of, cli, flux, flux_inputs, loss, wan, wan_inputs
+from test_estimate_diffusion import FLUX, HW, WAN, cli, configure, flux, flux_inputs, lora, loss, wan, wan_inputs
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
@@ -17,16 +18,10 @@ from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
 pytestmark = pytest.mark.usefixtures("test_cpu", "one_thread")
 
 
-def enabled_step(model, inputs, integration, **config):
+def enabled_step(model, inputs, **config):
     """(peak live bytes, bytes offloaded, (checkpointed, offloaded) block indices) of a steady-state
-    step of `model` configured by `config`: through ckpt_offload.integrations.diffusers.enable
-    (integration), else enable_checkpointing on the blocks diffusers' checkpointing hands over
-    (called through a function that only calls them)."""
-    if integration:
-        co_diffusers.enable(model, **config)
-    else:
-        model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
-        ckpt_offload.enable_checkpointing(model, layers=blocks_of(model), **config)
+    step of `model` configured by `config` through ckpt_offload.integrations.diffusers.enable."""
+    co_diffusers.enable(model, **config)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
 
@@ -59,19 +54,9 @@ YOUR_RUN = {
 
 
 # The integration passes the tensors inside a tuple argument (Wan's and Flux's rotary tables) to the
-# checkpoint one by one, and offloads them; the estimate measures the blocks checkpointed as
-# enable_checkpointing runs them, which keeps those tensors on the device. Measured on the tiny Wan:
-# the integration sends 77,312 bytes, the row counts 52,736 (the 24,576 bytes of the cos and sin
-# tables); the peaks within 3%. Measuring the blocks on the integration's path counts them, but then
-# the tiny LoRA Wan's checkpoint+offload peak is 3.4% under the integration's step (1,503,936 against
-# 1,556,560 bytes): open until both hold.
-TUPLE_GAP = pytest.mark.xfail(strict=True, reason="the rotary tables the integration offloads are not counted")
-
-
-@pytest.mark.parametrize("kind,integration", [("wan", False), ("flux", False),
-                                              pytest.param("wan", True, marks=TUPLE_GAP)],
-                         ids=["wan-enable_checkpointing", "flux-enable_checkpointing", "wan-integrations.diffusers"])
-def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind, integration):
+# checkpoint one by one, and offloads them (once: every block shares them): the row counts them.
+@pytest.mark.parametrize("kind", ["wan", "flux"])
+def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, kind):
     build, inputs, cls_name, cfg, size = YOUR_RUN[kind]
     path = write_config(tmp_path, cls_name, cfg)
     rc, out, err = cli(capsys, "--diffusers-config", path, *size, "--batch", "2", "--text-tokens", "8",
@@ -82,8 +67,8 @@ def test_your_run_row_is_the_real_step_of_that_configuration(tmp_path, capsys, k
     mine = r["your_run"]
     n = r["blocks"]
     assert n == (3 if kind == "wan" else 5)
-    peak, sent, (checkpointed, offloaded) = enabled_step(build(), inputs(), integration, every_n_layers=2,
-                                                        offload=True, keep_last=1)
+    peak, sent, (checkpointed, offloaded) = enabled_step(build(), inputs(), every_n_layers=2, offload=True,
+                                                        keep_last=1)
     # the blocks diffusers' checkpointing hands over, in forward order (Flux: double-, then single-stream)
     assert checkpointed == list(range(0, n, 2)) and offloaded == checkpointed[:-1]
     assert mine["configuration"] == "every_n_layers=2, offload, keep_last=1" and mine["source"] == "the options"
@@ -160,21 +145,10 @@ def ltx_inputs(batch=2, frames=3, size=8, text=8):
                 return_dict=False)
 
 
-def configure(model, blocks, mode):
-    # The blocks called as diffusers' own checkpointing calls them (positionally), through a
-    # function that only calls them, and checkpointed by ckpt_offload.
-    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: block(*args))
-    if mode == "checkpoint":
-        ckpt_offload.enable_checkpointing(model, offload=False, layers=blocks)
-    elif mode == "checkpoint+offload":
-        ckpt_offload.enable_checkpointing(model, offload=True, keep_last=0, layers=blocks)
-    elif mode == "every_n=2":
-        ckpt_offload.enable_checkpointing(model, every_n_layers=2, offload=False, layers=blocks)
-
-
-def measured(model, blocks, inputs, mode):
-    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode."""
-    configure(model, blocks, mode)
+def measured(model, inputs, mode):
+    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode, configured as a
+    diffusers user configures it (test_estimate_diffusion.configure)."""
+    configure(model, mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
 
@@ -186,7 +160,7 @@ def measured(model, blocks, inputs, mode):
 
     top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     peak, sent = steady_step(model, step, opt, params, top)
-    ckpt_offload.disable_checkpointing(model)
+    co_diffusers.disable(model)
     return peak, sent
 
 
@@ -204,7 +178,7 @@ def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
     seen = {}
     for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
         model = ltx()
-        peak, sent = measured(model, list(model.transformer_blocks), ltx_inputs(), mode)
+        peak, sent = measured(model, ltx_inputs(), mode)
         row = r["modes"][mode]
         seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
     for mode, (est_peak, peak, est_host, sent) in seen.items():
@@ -255,12 +229,91 @@ def test_cli_refuses_a_unet_naming_what_to_do_instead(tmp_path, capsys):
     assert "ckpt_offload.estimate_memory(model, inputs)" in err and "sample, timestep, encoder_hidden_states" in err
 
 
-@pytest.mark.parametrize("cls_name", ["SD3Transformer2DModel", "QwenImageTransformer2DModel"])
-def test_cli_refuses_the_two_stream_image_models_it_does_not_size(tmp_path, capsys, cls_name):
-    # Their checkpointed peaks compose over the real step's by more than 3% (the blocks carry the
-    # text stream beside the image's): not offered until they are within it.
-    path = write_config(tmp_path, cls_name, {})
+# -- the families: SD3 and Qwen-Image (two-stream image models) -------------------------------------
+
+SD3 = dict(sample_size=32, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+           joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=24, out_channels=4,
+           pos_embed_max_size=32)
+QWEN = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def sd3():
+    torch.manual_seed(0)
+    return diffusers.SD3Transformer2DModel.from_config(SD3)
+
+
+def qwen():
+    torch.manual_seed(0)
+    return diffusers.QwenImageTransformer2DModel.from_config(QWEN)
+
+
+def sd3_inputs(batch=2, size=16, text=8):
+    # as StableDiffusion3Pipeline passes them: [B, C, H, W] latents, the prompt embeddings and the
+    # pooled projections
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(batch, 4, size, size, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 32, generator=g),
+                pooled_projections=torch.randn(batch, 24, generator=g), timestep=torch.tensor([10.0, 500.0][:batch]),
+                return_dict=False)
+
+
+def qwen_inputs(batch=2, size=16, text=8):
+    # as QwenImagePipeline passes them: the latents packed 2x2 into tokens (4 channels x 4), the
+    # latent grid after the packing per sample, no text mask (every text token active)
+    g = torch.Generator().manual_seed(0)
+    n = size // 2
+    return dict(hidden_states=torch.randn(batch, n * n, 16, generator=g),
+                encoder_hidden_states=torch.randn(batch, text, 32, generator=g), encoder_hidden_states_mask=None,
+                timestep=torch.tensor([0.01, 0.5][:batch]), img_shapes=[[(1, n, n)]] * batch, return_dict=False)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind", ["sd3", "qwen"])
+def test_two_stream_image_models_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys, kind, adapters):
+    build, inputs, cls_name, cfg = dict(sd3=(sd3, sd3_inputs, "SD3Transformer2DModel", SD3),
+                                        qwen=(qwen, qwen_inputs, "QwenImageTransformer2DModel", QWEN))[kind]
+    # 128x128 at the pipelines' factor 8 (no VAE config): a 16x16 latent, 64 tokens after the 2x2 patch
+    path = write_config(tmp_path, cls_name, cfg)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "128", "--width", "128", "--batch", "2",
+                       "--text-tokens", "8", "--dtype", "fp32", "--attention", "flash", "--json", *HW,
+                       *(("--lora-rank", "4") if adapters else ()))
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["latent"] == [1, 16, 16] and r["tokens"] == 64 and r["blocks"] == 3
+    seen = {}
+    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
+        model = lora(build()) if adapters else build()
+        peak, sent = measured(model, inputs(), mode)
+        row = r["modes"][mode]
+        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
+    for mode, (est_peak, peak, est_host, sent) in seen.items():
+        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
+        assert est_host == sent, (mode, seen)
+    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+
+
+def test_cli_sd3_and_qwen_text_tokens_as_their_pipelines_encode_the_prompt(tmp_path, capsys):
+    for cls_name, cfg, text in (("SD3Transformer2DModel", SD3, 77 + 256), ("QwenImageTransformer2DModel", QWEN, 512)):
+        # SD3: the CLIP encoders' 77 tokens, then T5's max_sequence_length (256); Qwen-Image: its 512
+        path = write_config(tmp_path, cls_name, cfg)
+        rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "128", "--json", *HW)
+        assert rc == 0, err
+        r = json.loads(out)
+        assert r["text_tokens"] == text and r["latent"] == [1, 8, 16] and r["tokens"] == 32, (cls_name, r)
+        rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "72", "--width", "128", *HW)
+        assert rc == 2 and "--height 72: not divisible by 16" in err and err.count("\n") == 1, err
+    # SD3's position table: pos_embed_max_size patches a side (32 here: 512 pixels at 8 x the patch 2)
+    path = write_config(tmp_path, "SD3Transformer2DModel", SD3)
+    rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "512", "--width", "528", *HW)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "--width 528: 33 patches along it, more than the transformer's pos_embed_max_size 32 (at most 512)" in err
+
+
+def test_cli_refuses_another_model_naming_those_it_sizes(tmp_path, capsys):
+    path = write_config(tmp_path, "PixArtTransformer2DModel", {})
     rc, out, err = cli(capsys, "--diffusers-config", path, "--height", "64", "--width", "64", *HW)
     assert rc == 2 and out == "" and err.count("\n") == 1, err
-    assert f"_class_name {cls_name!r}: the command sizes FluxTransformer2DModel, HunyuanVideoTransformer3DModel, " \
-        "LTXVideoTransformer3DModel, WanTransformer3DModel; for another model" in err
+    assert "_class_name 'PixArtTransformer2DModel': the command sizes FluxTransformer2DModel, " \
+        "HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, QwenImageTransformer2DModel, " \
+        "SD3Transformer2DModel, WanTransformer3DModel; for another model" in err

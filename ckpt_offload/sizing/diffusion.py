@@ -21,12 +21,15 @@ from torch import nn
 # The pipeline diffusers pairs with each transformer class that the command sizes, and how its
 # inputs are laid out: "video" ([B, C, F, H, W] latents, patched by the transformer), "video-packed"
 # (LTX-Video: the pipeline packs the latents into tokens by the transformer's patch sizes), "packed"
-# (Flux: 2x2 latent patches packed into tokens by the pipeline, with position ids).
+# (Flux, Qwen-Image: 2x2 latent patches packed into tokens by the pipeline), "image" (SD3: [B, C, H, W]
+# latents, patched by the transformer).
 FAMILIES = {
     "WanTransformer3DModel": ("WanPipeline", "video"),
     "HunyuanVideoTransformer3DModel": ("HunyuanVideoPipeline", "video"),
     "LTXVideoTransformer3DModel": ("LTXPipeline", "video-packed"),
     "FluxTransformer2DModel": ("FluxPipeline", "packed"),
+    "QwenImageTransformer2DModel": ("QwenImagePipeline", "packed"),
+    "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "image"),
 }
 # Where a pipeline keeps its VAE's factors, as diffusers' pipelines name them (the first one it has).
 SPATIAL_FACTOR = ("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor")
@@ -159,7 +162,11 @@ def pipeline_of(cls_name, pipeline_name, vae_cfg):
     kw["vae"] = vae
     pipe = pcls(**kw)
     tokens = inspect.signature(pcls.__call__).parameters.get("max_sequence_length")
-    return pipe, (tokens.default if tokens is not None else None)
+    tokens = tokens.default if tokens is not None else None
+    if tokens is not None and cls_name == "SD3Transformer2DModel":
+        # StableDiffusion3Pipeline.encode_prompt: the CLIP encoders' tokens, then T5's
+        tokens += pipe.tokenizer_max_length
+    return pipe, tokens
 
 
 def _factor(pipe, names):
@@ -204,6 +211,11 @@ def latent_layout(model, pipe, frames, height, width, vae_given):
             raise DiffusionError(f"{arg} {v}: not divisible by {unit} (the VAE's factor {spatial} x the patch {ph}); "
                                  f"{v // unit * unit} or {(v // unit + 1) * unit}")
     lh, lw = height // spatial, width // spatial
+    cap = cfg.get("pos_embed_max_size")  # SD3's position table, in patches along each side
+    for arg, v, n in (("--height", height, lh // ph), ("--width", width, lw // pw)):
+        if cap and n > cap:
+            raise DiffusionError(f"{arg} {v}: {n} patches along it, more than the transformer's pos_embed_max_size "
+                                 f"{cap} (at most {cap * unit})")
     tokens = (lf // pt) * (lh // ph) * (lw // pw)
     return dict(latent=(lf, lh, lw), patch=(pt, ph, pw), factors=(temporal, spatial), tokens=tokens,
                 vae=("the VAE's config" if vae_given else f"{type(pipe).__name__}'s defaults (no VAE config given)"))
@@ -241,6 +253,20 @@ def inputs_for(model, layout, batch, text_tokens, dtype, pipe):
                    txt_ids=torch.empty(t, 3, dtype=dtype, **meta))
         if cfg.get("guidance_embeds"):
             out["guidance"] = torch.empty(batch, dtype=torch.float32, **meta)
+    elif name == "QwenImageTransformer2DModel":
+        # QwenImagePipeline: the packed latents, the latent grid after the 2x2 packing per sample, and
+        # no text mask when every text token is active
+        n = layout["tokens"]
+        out = dict(hidden_states=torch.empty(batch, n, cfg.in_channels, dtype=dtype, **meta),
+                   encoder_hidden_states=torch.empty(batch, t, cfg.joint_attention_dim, dtype=dtype, **meta),
+                   encoder_hidden_states_mask=None, timestep=ts, img_shapes=[[(1, lh // 2, lw // 2)]] * batch)
+        if cfg.get("guidance_embeds"):
+            out["guidance"] = torch.empty(batch, dtype=torch.float32, **meta)
+    elif name == "SD3Transformer2DModel":
+        out = dict(hidden_states=torch.empty(batch, cfg.in_channels, lh, lw, dtype=dtype, **meta),
+                   encoder_hidden_states=torch.empty(batch, t, cfg.joint_attention_dim, dtype=dtype, **meta),
+                   pooled_projections=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype, **meta),
+                   timestep=ts)
     elif name == "LTXVideoTransformer3DModel":
         # LTXPipeline: the packed latents, the text mask, the latent grid and the rotary scale it
         # derives from its VAE's factors and its call's frame rate
@@ -250,7 +276,7 @@ def inputs_for(model, layout, batch, text_tokens, dtype, pipe):
                    encoder_hidden_states=torch.empty(batch, t, cfg.caption_channels, dtype=dtype, **meta),
                    timestep=ts, encoder_attention_mask=torch.empty(batch, t, dtype=torch.bool, **meta),
                    num_frames=lf, height=lh, width=lw, rope_interpolation_scale=(temporal / rate, spatial, spatial))
-    assert kind in ("video", "video-packed", "packed")
+    assert kind in ("video", "video-packed", "packed", "image")
     out["return_dict"] = False
     return out
 
@@ -358,9 +384,9 @@ def _largest(sizer, sizes, usable, host, mode):
 
 
 def _within_positions(model, layout, lf, lh, lw):
-    """Whether a latent grid is within the positions the model's rotary table takes (Wan's
-    `rope_max_seq_len` along each axis, after the patch)."""
-    cap = model.config.get("rope_max_seq_len")
+    """Whether a latent grid is within the positions the model's position table takes (Wan's
+    `rope_max_seq_len`, SD3's `pos_embed_max_size`, along each axis, after the patch)."""
+    cap = model.config.get("rope_max_seq_len") or model.config.get("pos_embed_max_size")
     if not cap:
         return True
     pt, ph, pw = layout["patch"]

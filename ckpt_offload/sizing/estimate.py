@@ -344,6 +344,7 @@ class _InputSaves:
         self.saving = False
         self.pending = 0
         self.host = [0] * len(blocks)
+        self.shared = [0] * len(blocks)  # of host[i]: what later blocks save too (sent once, with block i)
         self.handles = []
 
     def pack(self, t):
@@ -364,15 +365,18 @@ class _InputSaves:
         key, start, n = t.untyped_storage()._cdata, t.storage_offset(), t.numel()
         end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if n else 0)
         ranges = self.sent.setdefault(key, [])
-        if any(a <= start and end <= b and d == t.dtype for a, b, d in ranges):
-            return 0
+        for r in ranges:
+            if r[0] <= start and end <= r[1] and r[2] == t.dtype:
+                if r[3] is not self.fresh:
+                    r[4][0] = True  # a later block saves it too: shared
+                return 0
         storage = t.untyped_storage().nbytes() // t.element_size()
         if end - start > n and storage <= 4 * n:
-            ranges.append((0, storage, t.dtype))
+            ranges.append((0, storage, t.dtype, self.fresh, [False, storage * t.element_size()]))
             return storage * t.element_size()
         if end - start > n:
             return n * t.element_size()
-        ranges.append((start, end, t.dtype))
+        ranges.append((start, end, t.dtype, self.fresh, [False, (end - start) * t.element_size()]))
         return (end - start) * t.element_size()
 
     def _is_weight(self, t):
@@ -386,6 +390,7 @@ class _InputSaves:
 
         self.weights = set()
         self.sent = {}
+        self.fresh = {}  # the block the saves now pending go with, set when its forward ends
         for b in self.blocks:
             for p in [*b.parameters(), *b.buffers()]:
                 self.weights.add(p.untyped_storage()._cdata)
@@ -417,6 +422,8 @@ class _InputSaves:
                 if not _in_backward():
                     self.host[i] += self.pending
                     self.pending = 0
+                    self.fresh["block"] = i
+                    self.fresh = {}
             return hook
 
         for i, b in enumerate(self.blocks):
@@ -427,6 +434,10 @@ class _InputSaves:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
+        for ranges in self.sent.values():
+            for r in ranges:
+                if r[4][0] and r[3].get("block") is not None:
+                    self.shared[r[3]["block"]] += r[4][1]
         if self._original is None:
             delattr(self._owner, self._name)  # the inherited one again
         else:
@@ -451,16 +462,50 @@ def _flop_marks(blocks, live):
     return flops, handles
 
 
-def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None):
+def _reached(loss):
+    """The ids of the parameters a backward from `loss` gives a gradient: those of the
+    AccumulateGrad nodes its graph reaches (a branch whose output the loss does not use, the last
+    block's text stream in a two-stream model, gives none)."""
+    out, seen, todo = set(), set(), [getattr(loss, "grad_fn", None)]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.add(id(variable))
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return out
+
+
+def _checkpoint_all(model, blocks, diffusers):
+    """Every block checkpointed, kept on the device, by the entry point that attaches the engine to
+    this model: a diffusers model's through ckpt_offload.integrations.diffusers (the function its
+    own checkpointing calls, which hands the checkpoint the tensors inside a tuple or dict argument
+    one by one, so that they are saved and offloaded as the others); else enable_block_modes."""
+    if diffusers:
+        from ..integrations import diffusers as _diffusers
+
+        _diffusers.enable(model, offload=False)
+    else:
+        enable_block_modes(model, ["checkpoint"] * len(blocks), layers=blocks)
+
+
+def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast=None, diffusers=False):
     """The CostModel pieces of the blocks measured (those the model runs now): planner probes for
-    "none" and "checkpoint", the checkpoint inputs per block, the forward FLOPs per block, the
-    logits bytes and the attention backends used."""
+    "none" and "checkpoint", the checkpoint inputs per block (and of them, what later blocks save
+    too), the forward FLOPs per block, the logits bytes, the attention backends used, and the ids
+    of the parameters the step without checkpointing gives a gradient (None where its loss has no
+    graph). diffusers: the blocks are those a diffusers model's own checkpointing hands over,
+    checkpointed through ckpt_offload's integration."""
     n = len(blocks)
     loss_fn = loss_fn or _planner._default_loss
     att = _Attention(attention)
     mixed = _Autocast(autocast) if autocast is not None else None
     att.autocast = mixed
-    probes, host, flops, logits = {}, None, None, [0]
+    probes, host, shared, flops, logits = {}, None, None, None, [0]
+    reached = [None, False]  # the parameters given a gradient; whether this probe notes them
 
     def loss_of(out):
         logits_t = getattr(out, "logits", None)
@@ -471,6 +516,8 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
         elif isinstance(out, torch.Tensor):
             logits[0] = out.numel() * out.element_size()
         loss = loss_fn(out)
+        if reached[1] and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            reached[0] = _reached(loss)
         if mixed is not None:
             mixed.clear()  # autocast's region (the forward and the loss) ends: its cache goes
         return loss
@@ -480,12 +527,13 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
             (mixed or contextlib.nullcontext()):
         for m in ("none", "checkpoint"):
             if m != "none":
-                enable_block_modes(model, [m] * n, layers=blocks)
+                _checkpoint_all(model, blocks, diffusers)
             live = _Live()
             handles = []
             if m == "none":
                 flops, handles = _flop_marks(blocks, live)
             saves = _InputSaves(blocks) if m == "checkpoint" else contextlib.nullcontext()
+            reached[1] = m == "none"
             try:
                 with saves:
                     probes[m] = _planner._measured_step(model, blocks, inputs, loss_of, torch.device("meta"), live=live)
@@ -494,10 +542,10 @@ def _measure(model, blocks, inputs, loss_fn, attention, head_loss=None, autocast
                     h.remove()
                 disable_checkpointing(model)
             if m == "checkpoint":
-                host = saves.host
+                host, shared = saves.host, saves.shared
     if head_loss is not None and head_loss.recipe.loss != "transformers":
         logits[0] = head_loss.logits_bytes  # the head computed the loss: what its logits took
-    return probes, host, flops, logits[0], att
+    return probes, host, shared, flops, logits[0], att, reached[0]
 
 
 class MemoryEstimate:
@@ -965,7 +1013,7 @@ def estimate_memory(model: nn.Module, example_inputs, *, optimizer="default", lo
     # keyword without it): measured on that path, passed through, as the blocks run under
     # ckpt_offload's diffusers integration.
     with _noting_checkpointed(model, []) if diffusers_blocks is not None else contextlib.nullcontext():
-        est = _estimate(model, blocks, example_inputs, recipe, loss_fn, attention)
+        est = _estimate(model, blocks, example_inputs, recipe, loss_fn, attention, diffusers_blocks is not None)
     if diffusers_blocks is not None:
         # Dimension 1 of a diffusion model's first input is its latent channels, not a length:
         # `ckpt_offload.sizing.diffusion` searches the frames and the resolution instead.
@@ -1061,7 +1109,7 @@ def _blocks_that_run(model, blocks, inputs):
     return [b for b in blocks if id(b) in ran] or blocks
 
 
-def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
+def _estimate(model, blocks, inputs, recipe, loss_fn, attention, diffusers=False):
     n = len(blocks)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -1093,16 +1141,16 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
                     _positions(configs if container is not None else [], chosen):
                 sub_params = list(model.parameters())
                 sub_static = _static_bytes(model, [*sub_params, *(p.grad for p in sub_params if p.grad is not None)])
-                probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                          attention, head_loss, mixed)
+                probes, host_sub, shared_sub, flops_sub, logits_bytes, att, reached = _measure(
+                    model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
         except (IndexError, KeyError):
             if container is None:
                 raise
             # A model that indexes its blocks by number (not by iterating them): all of them, then.
             container, chosen, source, subset = None, list(range(n)), list(range(n)), list(blocks)
-            sub_static = full_static
-            probes, host_sub, flops_sub, logits_bytes, att = _measure(model, subset, measured_inputs, loss_fn,
-                                                                      attention, head_loss, mixed)
+            sub_static, sub_params = full_static, params
+            probes, host_sub, shared_sub, flops_sub, logits_bytes, att, reached = _measure(
+                model, subset, measured_inputs, loss_fn, attention, head_loss, mixed, diffusers)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -1121,7 +1169,10 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     host = {"none": [0] * n, "checkpoint": [0] * n, "checkpoint+offload": host_in}
     # A checkpointed block whose input waits on the host keeps nothing else; its forward and its
     # backward's recompute (the input reloaded) rise as the plain checkpoint's.
-    kept["checkpoint+offload"] = [a - h for a, h in zip(kept["checkpoint"], host_in)]
+    # What it sends that later blocks share (the rotary tables, the text embeddings) the model's
+    # forward holds, and the first backward that needs it reloads: kept but for the head's backward.
+    shared = widen(shared_sub)
+    kept["checkpoint+offload"] = [a - h + s for a, h, s in zip(kept["checkpoint"], host_in, shared)]
     bwd_excess["checkpoint+offload"] = list(bwd_excess["checkpoint"])
     fwd_excess["checkpoint+offload"] = list(fwd_excess["checkpoint"])
     flops = widen(flops_sub)
@@ -1131,6 +1182,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     bwd_ms_d = {"none": bwd, "checkpoint": [b + f for b, f in zip(bwd, fwd_ms)]}
     bwd_ms_d["checkpoint+offload"] = list(bwd_ms_d["checkpoint"])
     o = dict(cost_sub.outside)
+    o["shared_host"] = shared
     shift = full_static - sub_static
     full_kept_none = sum(kept["none"])
     for key in ("fwd_pre_peak", "fwd_level", "bwd_level", "bwd_pre_peak"):
@@ -1158,7 +1210,11 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     # weights and gradients as built): the difference is carried through the whole step.
     measured_weights = _static_bytes(model, params) - _static_bytes(model, [])
     measured_grads = sum(p.numel() * p.element_size() for p in trainable)
-    static = _recipe.static_parts(model, recipe, blocks)
+    # Trainable parameters no gradient reaches (in the blocks measured and around them) get none in
+    # a real step, nor optimizer states: not counted.
+    untrained = set() if reached is None else \
+        {id(p) for p in sub_params if p.requires_grad and id(p) not in reached}
+    static = _recipe.static_parts(model, recipe, blocks, untrained=untrained)
     extra = (static["weights_bytes"] - measured_weights + static["grads_bytes"] - measured_grads
              + static["optimizer_bytes"] + static["in_flight_bytes"])
     parts = dict(weights_bytes=static["weights_bytes"], grads_bytes=static["grads_bytes"],
@@ -1171,7 +1227,7 @@ def _estimate(model, blocks, inputs, recipe, loss_fn, attention):
     batch, seq = _seq_of(inputs)
 
     def resize(new_seq):
-        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention)
+        return _estimate(model, blocks, _resized(inputs, seq, new_seq), recipe, loss_fn, attention, diffusers)
 
     return MemoryEstimate(cost, extra, parts, seq=seq, batch=batch, attention=att.seen,
                           resize=resize if seq else None, quadratic=att.masked, max_seq=_max_positions(model),

@@ -430,7 +430,7 @@ def _blocks_params(blocks):
     return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
 
 
-def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
+def static_parts(model: nn.Module, recipe: Recipe, blocks=(), untrained=frozenset()) -> dict:
     """Per rank, the bytes of the run's weights, gradients and optimizer states for `model` (as
     built, meta or real: its shapes, which parameters train, and their built dtypes) under `recipe`,
     and what is in flight beside them (sharded blocks gathered, a quantized weight dequantized), and
@@ -438,8 +438,14 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
 
     The recipe's `dtype` replaces the built dtype of the parameters that have the model's own dtype
     (adapters peft upcast to fp32 keep theirs); gradients take their parameter's dtype.
+    untrained: ids of trainable parameters that no gradient reaches: unsharded, they get neither a
+    gradient nor optimizer states (torch's optimizers skip a parameter whose grad is None);
+    sharded, the flat buffers of ZeRO and FSDP hold them all, so they count.
     """
     built = _model_dtype(model)
+    kind, n = _parse_shard(recipe.shard)
+    if kind is not None:
+        untrained = frozenset()
     weights = grads = states = step = 0
     dequant = 0
     head = head_modules(model)
@@ -457,12 +463,11 @@ def static_parts(model: nn.Module, recipe: Recipe, blocks=()) -> dict:
                 dequant = max(dequant, p.numel() * (recipe.compute_dtype or built).itemsize)
                 continue
             weights += p.numel() * size
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in untrained:
                 grads += p.numel() * size
                 s, t = optimizer_bytes(p, recipe, built)
                 states += s
                 step += t
-    kind, n = _parse_shard(recipe.shard)
     in_flight = dequant
     if kind in ("fsdp", "zero3"):
         # Each block's weights are gathered for its forward and again for its backward, the next
