@@ -102,10 +102,9 @@ def configure(model, mode):
         co_diffusers.enable(model, every_n_layers=2, offload=False)
 
 
-def measured(model, inputs, mode):
-    """(peak live bytes, bytes offloaded) of a steady-state step: a first step and an AdamW step
-    allocate the gradients and the states, the second step is measured."""
-    configure(model, mode)
+def steady(model, inputs):
+    """(peak live bytes, bytes offloaded) of a steady-state step of `model` as it is configured: a first
+    step and an AdamW step allocate the gradients and the states, the second step is measured."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
 
@@ -116,9 +115,19 @@ def measured(model, inputs, mode):
         value.backward()
 
     top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}  # the live inputs: top-level tensors
-    peak, sent = steady_step(model, step, opt, params, top)
-    ckpt_offload.disable_checkpointing(model)
-    return peak, sent
+    return steady_step(model, step, opt, params, top)
+
+
+def measured(model, inputs, mode):
+    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode, configured as a
+    diffusers user configures it."""
+    from ckpt_offload.integrations import diffusers as co_diffusers
+
+    configure(model, mode)
+    try:
+        return steady(model, inputs)
+    finally:
+        co_diffusers.disable(model)
 
 
 def check_all_modes(build, inputs):
@@ -195,11 +204,15 @@ def pipeline_folder(tmp_path, transformer=None, vae=VAE):
 
 
 def cli(capsys, *args):
+    """(exit code, stdout, stderr) of the command run in this process; stderr without its progress
+    lines ("estimate: ..."), which it prints only once it has run for a second, so on a busy machine
+    before an error it may or may not have printed them."""
     from ckpt_offload.sizing.cli import main
 
     rc = main(list(args))
     out = capsys.readouterr()
-    return rc, out.out, out.err
+    err = "".join(line for line in out.err.splitlines(keepends=True) if not line.startswith("estimate: "))
+    return rc, out.out, err
 
 
 HW = ("--host-memory", "1TiB", "--ranks-per-node", "1")

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import ckpt_offload
-from test_estimate import steady_step
-from test_estimate_diffusion import FLUX, HW, WAN, cli, configure, flux, flux_inputs, lora, loss, wan, wan_inputs
+from test_estimate_diffusion import FLUX, HW, WAN, cli, flux, flux_inputs, lora, measured, steady, wan, wan_inputs
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
@@ -22,17 +21,7 @@ def enabled_step(model, inputs, **config):
     """(peak live bytes, bytes offloaded, (checkpointed, offloaded) block indices) of a steady-state
     step of `model` configured by `config` through ckpt_offload.integrations.diffusers.enable."""
     co_diffusers.enable(model, **config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-
-    def step():
-        out = model(**inputs)
-        value = loss(out)
-        del out
-        value.backward()
-
-    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    peak, sent = steady_step(model, step, opt, params, top)
+    peak, sent = steady(model, inputs)
     state = ckpt_offload.checkpointing_state(model)
     co_diffusers.disable(model)
     return peak, sent, state
@@ -143,25 +132,6 @@ def ltx_inputs(batch=2, frames=3, size=8, text=8):
                 timestep=torch.tensor([10.0, 500.0][:batch]), encoder_attention_mask=torch.ones(batch, text).bool(),
                 num_frames=frames, height=size, width=size, rope_interpolation_scale=(8 / 25, 32, 32),
                 return_dict=False)
-
-
-def measured(model, inputs, mode):
-    """(peak live bytes, bytes offloaded) of a steady-state step in a uniform mode, configured as a
-    diffusers user configures it (test_estimate_diffusion.configure)."""
-    configure(model, mode)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-
-    def step():
-        out = model(**inputs)
-        value = loss(out)
-        del out
-        value.backward()
-
-    top = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    peak, sent = steady_step(model, step, opt, params, top)
-    co_diffusers.disable(model)
-    return peak, sent
 
 
 def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
