@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ckpt_offload
-from test_estimate_diffusion import FLUX, HW, WAN, cli, flux, flux_inputs, lora, measured, steady, wan, wan_inputs
+from test_estimate_diffusion import (FLUX, HW, MODES, WAN, check_rows, cli, flux, flux_inputs, lora, steady, wan,
+                                     wan_inputs)
 
 diffusers = pytest.importorskip("diffusers", reason="needs diffusers for the diffusion-model tests")
 from ckpt_offload.integrations import diffusers as co_diffusers  # noqa: E402
@@ -25,6 +26,11 @@ def enabled_step(model, inputs, **config):
     state = ckpt_offload.checkpointing_state(model)
     co_diffusers.disable(model)
     return peak, sent, state
+
+
+def rows_of(report):
+    """mode -> (peak, host bytes) of the command's --json report."""
+    return {m: (report["modes"][m]["device_peak_bytes"], report["modes"][m]["host_bytes_per_rank"]) for m in MODES}
 
 
 def write_config(tmp_path, cls_name, cfg):
@@ -145,16 +151,7 @@ def test_ltx_every_mode_within_3_percent_and_host_bytes_exact(tmp_path, capsys):
     assert r["latent"] == [3, 8, 8] and r["tokens"] == 192 and r["blocks"] == 3
     assert r["vae_factors"] == {"temporal": 8, "spatial": 32}
     assert r["your_run"] is None  # no configuration asked for: no row
-    seen = {}
-    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
-        model = ltx()
-        peak, sent = measured(model, ltx_inputs(), mode)
-        row = r["modes"][mode]
-        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
-    for mode, (est_peak, peak, est_host, sent) in seen.items():
-        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
-        assert est_host == sent, (mode, seen)
-    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+    check_rows(rows_of(r), ltx, ltx_inputs)
 
 
 LTX_VAE = {"_class_name": "AutoencoderKLLTXVideo", "in_channels": 3, "out_channels": 3, "latent_channels": 8,
@@ -251,16 +248,7 @@ def test_two_stream_image_models_every_mode_within_3_percent_and_host_bytes_exac
     assert rc == 0, err
     r = json.loads(out)
     assert r["latent"] == [1, 16, 16] and r["tokens"] == 64 and r["blocks"] == 3
-    seen = {}
-    for mode in ("none", "checkpoint", "checkpoint+offload", "every_n=2"):
-        model = lora(build()) if adapters else build()
-        peak, sent = measured(model, inputs(), mode)
-        row = r["modes"][mode]
-        seen[mode] = (row["device_peak_bytes"], peak, row["host_bytes_per_rank"], sent)
-    for mode, (est_peak, peak, est_host, sent) in seen.items():
-        assert est_peak == pytest.approx(peak, rel=0.03), (mode, seen)
-        assert est_host == sent, (mode, seen)
-    assert seen["none"][1] > seen["checkpoint"][1] > seen["checkpoint+offload"][1]  # the modes differ
+    check_rows(rows_of(r), (lambda: lora(build())) if adapters else build, inputs)
 
 
 def test_cli_sd3_and_qwen_text_tokens_as_their_pipelines_encode_the_prompt(tmp_path, capsys):
