@@ -311,7 +311,7 @@ class _Reenabled:
 # -- hooks on the owner -----------------------------------------------------------------------------
 def attachment_before_forward(hook, module, args):
     mid = hook.attachment.midpoints
-    if mid is not None and getattr(mid, "waiting", False):
+    if mid is not None and mid.waiting:
         mid.start()  # made after the forward before this one ended: from this forward on
     for s in (hook.attachment.session, hook.attachment.whole):
         if s is not None:
